@@ -1,0 +1,43 @@
+"""shardwise: Fully Sharded Data Parallel training for PyTorch, on torch.distributed's collectives.
+
+    import shardwise
+    shardwise.init()                                   # torchrun's environment, nccl or gloo
+    model = shardwise.shard(GPT(cfg), wrap=shardwise.wrap.by_class(Block))
+    opt = torch.optim.AdamW(model.parameters())        # sees only this rank's shards
+"""
+
+from . import wrap
+from .api import (
+    clip_grad_norm_,
+    full_state_dict,
+    gathered,
+    load_full_state_dict,
+    no_sync,
+    register_forward_method,
+    shard,
+    unit_states,
+    units,
+)
+from .collectives import CollectiveStats, comm_stats, reset_comm_stats
+from .errors import CollectiveError, ShardwiseError
+from .groups import init
+
+__all__ = [
+    "init",
+    "shard",
+    "wrap",
+    "no_sync",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "gathered",
+    "register_forward_method",
+    "unit_states",
+    "units",
+    "comm_stats",
+    "reset_comm_stats",
+    "CollectiveStats",
+    "ShardwiseError",
+    "CollectiveError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,333 @@
+"""The public functions: shard a model, accumulate without sync, clip, full state dicts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import collectives as C
+from . import groups
+from .build import (
+    assign_params,
+    broadcast_from_rank0,
+    check_plans,
+    fill_slot,
+    layout_of,
+    materialize,
+    select_units,
+)
+from .errors import ShardwiseError
+from .runtime import Phase, Runtime
+from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
+from .wrap import Policy
+
+Strategy = Literal["full_shard", "shard_grad_op", "no_shard"]
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+
+
+def shard(
+    module: nn.Module,
+    *,
+    wrap: Policy | None = None,
+    strategy: Strategy = "full_shard",
+    group: dist.ProcessGroup | None = None,
+    init: Callable[[nn.Module], None] | None = None,
+    max_unsharded: int = 2,
+) -> nn.Module:
+    """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
+
+    The wrap policy picks units (innermost first; the root takes the rest); each unit's
+    parameters are laid out in one flat buffer and this rank keeps only its 1/N rows of each.
+    Afterwards ``module.parameters()`` yields this rank's shards, so build the optimizer from
+    them after this call. Values come from rank 0; a module built on the meta device is
+    initialised here one module at a time (``reset_parameters()`` or ``init(module)``).
+
+    strategy: "full_shard" frees full parameters after each unit's forward and gathers them
+    again for backward; "shard_grad_op" keeps them from forward to backward; "no_shard" keeps
+    whole parameters on every rank and all-reduces gradients (DDP). ``max_unsharded`` bounds
+    how many units (besides the root) full_shard keeps gathered at once, prefetch included.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if strategy not in STRATEGIES:
+        raise ShardwiseError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if max_unsharded < 1:
+        raise ShardwiseError(f"max_unsharded={max_unsharded} must be at least 1")
+    for name, m in module.named_modules():
+        if getattr(m, "_shardwise", None) is not None:
+            where = f"its submodule '{name}'" if name else "it"
+            raise ShardwiseError(
+                f"{type(module).__name__} is already sharded ({where} was passed to "
+                "shard() before); shard() runs once per model: build a new model to shard again."
+            )
+    rank, world = groups.rank_and_size(group)
+    plans = select_units(module, wrap)
+    assign_params(module, plans)
+    param_device = check_plans(module, plans)
+    device = groups.device() if param_device is None or param_device.type == "cpu" else param_device
+
+    sharded = strategy != "no_shard"
+    layouts = [layout_of(p, world if sharded else 1) for p in plans]
+    flats = [
+        torch.zeros(lay.shard_numel, dtype=p.params[0].dtype if p.params else torch.float32, device=device)
+        for p, lay in zip(plans, layouts)
+    ]
+    where = {}
+    for ui, plan in enumerate(plans):
+        for si, p in enumerate(plan.params):
+            where[p] = (ui, si)
+
+    def keep_rows(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+        for p, v in zip(params, values):
+            ui, si = where[p]
+            fill_slot(flats[ui], layouts[ui].slots[si], rank if sharded else 0, v)
+
+    with torch.no_grad():
+        if any(p.is_meta for plan in plans for p in plan.params) or any(b.is_meta for b in module.buffers()):
+            materialize(module, device, init, keep_rows, group)
+        for plan in plans:
+            eager = [p for p in plan.params if not p.is_meta]
+            if eager:
+                keep_rows(eager, broadcast_from_rank0(eager, device, group, plan.label))
+        for name, b in module.named_buffers():
+            if not b.is_meta:
+                b.data = broadcast_from_rank0([b], device, group, name)[0].clone()
+
+    units: list[Unit] = []
+    for plan, lay, flat in zip(plans, layouts, flats):
+        rg = [p.requires_grad for p in plan.params]
+        if sharded:
+            units.append(ShardedUnit(plan.module, plan.name, plan.registrations, group, lay, flat, rg))
+        else:
+            params = [nn.Parameter(v, requires_grad=r) for v, r in zip(lay.unsharded_views(flat), rg)]
+            for r in plan.registrations:
+                r.module._parameters[r.attr] = params[r.index]
+            units.append(ReplicatedUnit(plan.module, plan.name, plan.registrations, group, params))
+        for r in plan.registrations:
+            _retire(plan.params[r.index], r.fqn)
+    module._shardwise = Runtime(module, units, strategy, max_unsharded)
+    _install_optimizer_guard()
+    return module
+
+
+def _runtime(model: nn.Module) -> Runtime:
+    rt = getattr(model, "_shardwise", None)
+    if rt is None:
+        raise ShardwiseError(
+            f"{type(model).__name__} is not sharded: pass the module that shardwise.shard() returned"
+        )
+    return rt
+
+
+# --- the originals that shard() replaced, and the optimizers that still hold them
+def _retire(p: nn.Parameter, fqn: str) -> None:
+    if not hasattr(p, "_shardwise_retired"):
+        p._shardwise_retired = fqn
+        if not p.is_meta:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+_checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_guard_installed = False
+
+
+def _install_optimizer_guard() -> None:
+    global _guard_installed
+    if not _guard_installed:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _guard_installed = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    key = tuple(len(g["params"]) for g in optimizer.param_groups)
+    if _checked_optimizers.get(optimizer) == key:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = getattr(p, "_shardwise_retired", None)
+            if name is not None:
+                raise ShardwiseError(
+                    f"{type(optimizer).__name__} steps parameter '{name}' as it was before "
+                    "shardwise.shard(), which replaced it with this rank's shard: the optimizer "
+                    "would update nothing. Build the optimizer after shard(), from "
+                    "model.parameters()."
+                )
+    _checked_optimizers[optimizer] = key
+
+
+# --- gradient accumulation and clipping
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate full gradients locally, with no communication; the
+    next backward outside reduces the accumulated gradients (costs one unit of full gradient
+    memory per unit, as in DDP's and FSDP's no_sync)."""
+    rt = _runtime(model)
+    prev, rt.sync_grads = rt.sync_grads, False
+    try:
+        yield
+    finally:
+        rt.sync_grads = prev
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of a sharded model by their global norm, and return that norm.
+
+    Each rank reduces its shards' gradients to one number and one all-reduce combines them, so
+    the result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (each shared
+    parameter counted once).
+    """
+    rt = _runtime(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    device = groups.device()
+    norm_type = float(norm_type)
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
+    else:
+        local = torch.zeros((), device=device)
+    sharded = any(isinstance(u, ShardedUnit) for u in rt.units)
+    if sharded and dist.get_world_size(rt.units[0].group) > 1:
+        group = rt.units[0].group
+        if math.isinf(norm_type):
+            C.all_reduce(local, group, "clip_grad_norm", op=dist.ReduceOp.MAX).wait()
+            total = local
+        else:
+            powered = local.pow(norm_type)
+            C.all_reduce(powered, group, "clip_grad_norm").wait()
+            total = powered.pow(1.0 / norm_type)
+    else:
+        total = local
+    if grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    return total
+
+
+# --- whole parameters: state dicts, inspection, other methods than forward
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded state dict as CPU tensors under the original names (every rank must call
+    it; with ``rank0_only`` the other ranks get ``{}``), loadable with ``load_state_dict`` into
+    the unsharded module."""
+    rt = _runtime(model)
+    _require_idle(rt, "full_state_dict")
+    keep = not rank0_only or dist.get_rank() == 0
+    values: dict[str, torch.Tensor] = {}
+    for unit in rt.units:
+        full = unit.gather_full()
+        if keep:
+            for r in unit.registrations:
+                values[r.fqn] = full[r.index].detach().to("cpu", copy=True)
+    if not keep:
+        return {}
+    out = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        out[k] = values[k] if k in values else v.detach().to("cpu", copy=True)
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -> None:
+    """Scatter a full state dict into the shards. Rank 0's dict is used (other ranks may pass
+    None); keys and shapes are checked on rank 0 and a mismatch raises on every rank."""
+    rt = _runtime(model)
+    _require_idle(rt, "load_full_state_dict")
+    expected = model.state_dict(keep_vars=True)
+    full_shapes = {r.fqn: u.full_params[r.index].shape for u in rt.units for r in u.registrations}
+    problem = ""
+    if dist.get_rank() == 0:
+        problem = _state_dict_problem(state_dict, expected, full_shapes)
+    msg = [problem]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(msg, src=0)
+    if msg[0]:
+        raise ShardwiseError(msg[0] if dist.get_rank() == 0 else f"rank 0 reported: {msg[0]}")
+    device = groups.device()
+    with torch.no_grad():
+        for unit in rt.units:
+            firsts = {}
+            for r in unit.registrations:
+                firsts.setdefault(r.index, r.fqn)
+            shapes = [unit.full_params[i].shape for i in range(len(firsts))]
+            src = (
+                [state_dict[firsts[i]] for i in range(len(firsts))]
+                if dist.get_rank() == 0
+                else [torch.empty(s, dtype=unit.full_params[0].dtype) for s in shapes]
+            )
+            if src:
+                unit.load_full(broadcast_from_rank0([t.to(unit.full_params[0].dtype) for t in src], device, unit.group, unit.label))
+        for name, b in model.named_buffers():
+            if name in expected:
+                src = state_dict[name] if dist.get_rank() == 0 else b
+                b.copy_(broadcast_from_rank0([src.to(b.dtype)], device, None, name)[0])
+
+
+def _state_dict_problem(sd, expected, full_shapes) -> str:
+    if sd is None:
+        return "load_full_state_dict got None on rank 0; rank 0 must pass the full state dict"
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        return f"state dict does not match the model: missing keys {missing}, unexpected keys {unexpected}"
+    for k, shape in full_shapes.items():
+        if tuple(sd[k].shape) != tuple(shape):
+            return f"state dict entry '{k}' has shape {tuple(sd[k].shape)}, the model needs {tuple(shape)}"
+    return ""
+
+
+def _require_idle(rt: Runtime, what: str) -> None:
+    if rt.phase is not Phase.IDLE:
+        raise ShardwiseError(f"{what}() was called during forward or backward; call it between steps")
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Module]:
+    """Inside, every module of ``model`` holds its full parameters (for inspection, generation
+    helpers or edits); with ``writeback`` edits made inside are kept in the shards."""
+    rt = _runtime(model)
+    _require_idle(rt, "gathered")
+    for u in rt.units:
+        u.wait_unshard()
+    try:
+        yield model
+    finally:
+        for u in rt.units:
+            if writeback and isinstance(u, ShardedUnit):
+                u.load_full([p.detach() for p in u.full_params])
+            u.reshard()
+
+
+def register_forward_method(module: nn.Module, name: str) -> None:
+    """Make calls of ``module.<name>()`` gather and free the unit like ``forward`` does (for
+    methods such as ``generate`` or ``encode`` that use the parameters directly)."""
+    method = getattr(module, name)
+
+    def call_with_hooks(*args, **kwargs):
+        had_own = "forward" in module.__dict__
+        own = module.__dict__.get("forward")
+        module.forward = method
+        try:
+            return module(*args, **kwargs)
+        finally:
+            if had_own:
+                module.forward = own
+            else:
+                del module.forward
+
+    setattr(module, name, call_with_hooks)
+
+
+def unit_states(model: nn.Module) -> dict[str, str]:
+    """Each unit's life-cycle state on this rank ('SHARDED', 'GATHERING', 'UNSHARDED')."""
+    return {u.label: u.state.name for u in _runtime(model).units}
+
+
+def units(model: nn.Module) -> list[Unit]:
+    """The units of a sharded model, innermost first and the root last (read-only use)."""
+    return list(_runtime(model).units)
+
+

@@ -1,0 +1,199 @@
+"""How ``shard()`` turns a module tree into units: pick them with the wrap policy, give each
+parameter to the innermost unit that holds every module using it, and fill each rank's shards
+from rank 0's values (eager modules) or by initialising one module at a time (meta modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import collectives as C
+from .errors import ShardwiseError
+from .layout import Layout, Slot
+from .unit import Registration
+from .wrap import CONTAINERS, Policy
+
+
+@dataclass
+class UnitPlan:
+    """A unit before it exists: its module, name and the parameters it will own."""
+
+    module: nn.Module
+    name: str
+    params: list[nn.Parameter] = field(default_factory=list)
+    registrations: list[Registration] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.name or "<root>"
+
+
+def select_units(root: nn.Module, policy: Policy | None) -> list[UnitPlan]:
+    """Units chosen by ``policy``, innermost first, with the root last."""
+    chosen = []
+    if policy is not None:
+        for name, module in root.named_modules():
+            if not name:
+                continue
+            picked = policy(module, name)
+            if not isinstance(picked, bool):
+                raise ShardwiseError(
+                    f"wrap policy {policy!r} returned {picked!r} for '{name}'; a policy must "
+                    "return True or False"
+                )
+            if picked and isinstance(module, CONTAINERS):
+                raise ShardwiseError(
+                    f"wrap policy {policy!r} selected '{name}', a {type(module).__name__}: a "
+                    "container is never called, so its parameters could never be gathered. "
+                    "Select the modules inside it instead (e.g. shardwise.wrap.by_class(Block))."
+                )
+            if picked:
+                chosen.append(UnitPlan(module, name))
+    chosen.sort(key=lambda u: -u.name.count("."))  # innermost first
+    return chosen + [UnitPlan(root, "")]
+
+
+def assign_params(root: nn.Module, plans: list[UnitPlan]) -> None:
+    """Give every parameter to the innermost unit that contains all modules using it."""
+    unit_names = {p.name for p in plans}
+    by_name = {p.name: p for p in plans}
+
+    def unit_chain(module_name: str) -> list[str]:
+        parts = module_name.split(".") if module_name else []
+        chain = [""]
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix in unit_names:
+                chain.append(prefix)
+        return chain
+
+    users: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    for mname, module in root.named_modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                users.setdefault(p, []).append((module, attr, mname))
+    for p, places in users.items():
+        chains = [unit_chain(mname) for _, _, mname in places]
+        common = chains[0]
+        for c in chains[1:]:
+            n = 0
+            while n < min(len(common), len(c)) and common[n] == c[n]:
+                n += 1
+            common = common[:n]
+        plan = by_name[common[-1]]
+        index = len(plan.params)
+        plan.params.append(p)
+        for module, attr, mname in places:
+            fqn = f"{mname}.{attr}" if mname else attr
+            plan.registrations.append(Registration(module, attr, index, fqn))
+
+
+def check_plans(root: nn.Module, plans: list[UnitPlan]) -> torch.device | None:
+    """Refuse what cannot be sharded; return the one device of the non-meta parameters."""
+    seen: dict[torch.device, str] = {}
+    for plan in plans:
+        dtypes = {}
+        for p, r in _first_names(plan):
+            dtypes.setdefault(p.dtype, r.fqn)
+            if not p.is_meta:
+                seen.setdefault(p.device, r.fqn)
+        if len(dtypes) > 1:
+            names = ", ".join(f"'{n}' ({d})" for d, n in dtypes.items())
+            raise ShardwiseError(
+                f"unit '{plan.label}' mixes parameter dtypes: {names}; one unit is one flat "
+                "buffer of one dtype. Cast the module to one dtype before shard() (e.g. "
+                "module.float()), or wrap the parts of other dtypes as units of their own."
+            )
+    if len(seen) > 1:
+        names = ", ".join(f"'{n}' on {d}" for d, n in seen.items())
+        raise ShardwiseError(
+            f"parameters are on different devices: {names}. Move the module to one device "
+            "first (module.to(device)), or build it on the meta device."
+        )
+    return next(iter(seen), None)
+
+
+def _first_names(plan: UnitPlan):
+    firsts = {}
+    for r in plan.registrations:
+        firsts.setdefault(r.index, r)
+    return [(p, firsts[i]) for i, p in enumerate(plan.params)]
+
+
+def layout_of(plan: UnitPlan, world_size: int) -> Layout:
+    return Layout.build([(r.fqn, tuple(p.shape)) for p, r in _first_names(plan)], world_size)
+
+
+def fill_slot(flat_shard: torch.Tensor, slot: Slot, rank: int, full: torch.Tensor) -> None:
+    """Copy this rank's rows of the full tensor ``full`` into its segment of ``flat_shard``."""
+    start, stop = slot.row_range(rank)
+    n = (stop - start) * slot.row_numel
+    flat_shard[slot.offset : slot.offset + n].copy_(full.reshape(slot.rows, -1)[start:stop].reshape(-1))
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], device: torch.device, group, label: str) -> list[torch.Tensor]:
+    """Rank 0's values of ``tensors`` on every rank, in one collective."""
+    flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+    C.broadcast(flat, 0, group, label).wait()
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def materialize(
+    root: nn.Module,
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None,
+    on_values: Callable[[list[nn.Parameter], list[torch.Tensor]], None],
+    group,
+) -> None:
+    """Initialise meta parameters one module at a time, in module order.
+
+    Each module's own meta parameters get temporary full storage, the module's
+    ``reset_parameters()`` (or ``init_fn(module)``) fills them, rank 0's values are broadcast
+    and handed to ``on_values`` (which keeps this rank's rows), and the storage is dropped: at
+    most one module is ever whole. A parameter shared with a module initialised earlier is
+    swapped for scratch storage, as eager construction discards a tied module's own weight, so
+    random streams match eager construction with the same seed. Meta buffers are materialised
+    in place. Raises, naming them, if parameters or buffers are left uninitialised.
+    """
+    done: set[nn.Parameter] = set()
+    missing: list[str] = []
+    for mname, module in root.named_modules():
+        own = [(a, p) for a, p in module._parameters.items() if p is not None and p.is_meta]
+        bufs = [(a, b) for a, b in module._buffers.items() if b is not None and b.is_meta]
+        if not own and not bufs:
+            continue
+        init = init_fn if init_fn is not None else getattr(module, "reset_parameters", None)
+        if init is None:
+            missing += [f"{mname}.{a}" if mname else a for a, p in own if p not in done]
+            missing += [f"{mname}.{a}" if mname else a for a, _ in bufs]
+            continue
+        temps = {a: nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad) for a, p in own}
+        for a, b in bufs:
+            module._buffers[a] = torch.empty_like(b, device=device)
+        for a, t in temps.items():
+            module._parameters[a] = t
+        try:
+            with torch.no_grad():
+                init_fn(module) if init_fn is not None else module.reset_parameters()
+        finally:
+            for a, p in own:
+                module._parameters[a] = p
+        fresh = [(p, temps[a]) for a, p in own if p not in done]
+        if fresh:
+            values = broadcast_from_rank0([t for _, t in fresh], device, None if group is None else group, mname or "<root>")
+            on_values([p for p, _ in fresh], values)
+            done.update(p for p, _ in fresh)
+        if bufs:
+            values = broadcast_from_rank0([module._buffers[a] for a, _ in bufs], device, group, mname or "<root>")
+            for (a, _), v in zip(bufs, values):
+                module._buffers[a] = v.clone()
+    if missing:
+        raise ShardwiseError(
+            f"no initialiser for meta-device tensors {missing}: their modules have no "
+            "reset_parameters(). Give those modules a reset_parameters() method, or pass "
+            "shard(..., init=fn) where fn(module) initialises a module's own parameters."
+        )

@@ -1,0 +1,54 @@
+"""Launch and process groups: torchrun's environment, the backend, the device of each rank."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Start the default process group from torchrun's environment.
+
+    Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds each process to
+    ``cuda:LOCAL_RANK``, and sets the collective timeout (seconds) after which a collective
+    that cannot complete (a rank died or took another path) raises on every rank instead of
+    hanging. Without torchrun's variables it starts a world of size 1. A no-op when a default
+    group already exists.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    pg_timeout = timedelta(seconds=timeout)
+    if all(v in os.environ for v in _TORCHRUN_VARS):
+        dist.init_process_group(backend, timeout=pg_timeout)
+    else:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
+        )
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its local GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size (requires an initialised group)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "no process group: call shardwise.init() (or torch.distributed.init_process_group) "
+            "before shardwise.shard()"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)

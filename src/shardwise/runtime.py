@@ -1,0 +1,264 @@
+"""The hooks that drive every unit's life cycle, the execution order, prefetch, and the
+end-of-backward callback. One ``Runtime`` per sharded model.
+
+Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
+the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard)
+and registers the pre-backward hook on the unit's outputs. Backward: the pre-backward hook
+gathers again and prefetches in backward order; a post-accumulate-grad hook on each full
+parameter counts finished gradients, and the unit's reduce-scatter is issued as soon as all
+are in, while earlier layers still compute; an identity autograd function on the unit's inputs
+marks the end of its backward, where it reshards. The final callback finishes what is left,
+waits for every reduce and leaves ``.grad`` on the shards.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+
+from .errors import ShardwiseError
+from .unit import ShardedUnit, Unit, UnitState
+
+
+class Phase(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+def _tensors(obj, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors inside nested tuples, lists and dicts, in order."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _tensors(o, out)
+    return out
+
+
+def _replace_tensors(obj, it):
+    """``obj`` with each tensor (in ``_tensors`` order) replaced by the next item of ``it``."""
+    if isinstance(obj, torch.Tensor):
+        return next(it)
+    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
+        return type(obj)(_replace_tensors(o, it) for o in obj)
+    if isinstance(obj, tuple):  # namedtuple
+        return type(obj)(*(_replace_tensors(o, it) for o in obj))
+    if isinstance(obj, dict):
+        return {k: _replace_tensors(v, it) for k, v in obj.items()}
+    return obj
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx, runtime: Runtime, unit: Unit, *inputs: torch.Tensor):
+        ctx.runtime, ctx.unit = runtime, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runtime.post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+class Runtime:
+    """Hook state of one sharded model: its units, phase, recorded orders and options."""
+
+    def __init__(self, root: nn.Module, units: list[Unit], strategy: str, max_unsharded: int):
+        self.root = root
+        self.units = units  # innermost first, root last
+        self.strategy = strategy
+        self.max_unsharded = max_unsharded
+        self.sync_grads = True
+        self.phase = Phase.IDLE
+        self.callback_queued = False
+        self.forward_order: list[Unit] = []  # this iteration's order of pre-forward hooks
+        self.backward_order: list[Unit] = []  # and of pre-backward hooks
+        self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
+        self.next_backward: dict[Unit, Unit] = {}
+        self.ran_once: set[Unit] = set()
+        self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
+        self._handles = []
+        for unit in units:
+            self._register(unit)
+
+    # --- registration
+    def _register(self, unit: Unit) -> None:
+        m = unit.module
+        if isinstance(unit, ShardedUnit):  # no_shard needs no forward hooks, like DDP
+            self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._make_post_forward(unit)))
+        for p, rg in zip(unit.full_params, _requires_grad(unit)):
+            if rg:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready(unit)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    # --- forward
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module, args, kwargs):
+            if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing)
+                unit.wait_unshard()
+                return None
+            if unit.is_root:
+                self.phase = Phase.FORWARD
+                self.forward_order = []
+            unit.wait_unshard()
+            self.forward_order.append(unit)
+            self._prefetch(self.next_forward.get(unit))
+            self._note_unsharded()
+            if torch.is_grad_enabled():
+                flat = _tensors((args, kwargs), [])
+                if any(t.requires_grad for t in flat):
+                    marked = iter(_PostBackward.apply(self, unit, *flat))
+                    return _replace_tensors((args, kwargs), marked)
+            return None
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if self.phase is Phase.BACKWARD:
+                return None
+            grad = torch.is_grad_enabled()
+            if not grad or (self.strategy == "full_shard" and not unit.is_root):
+                unit.reshard()
+            if grad:
+                outs = [t for t in _tensors(output, []) if t.requires_grad]
+                if outs:
+                    register_multi_grad_hook(outs, lambda _g: self._pre_backward(unit), mode="any")
+            if unit.is_root:
+                self.next_forward = _successors(self.forward_order)
+                if not grad:  # inference: nothing stays gathered
+                    for u in self.units:
+                        u.reshard()
+                    self.phase = Phase.IDLE
+            return None
+
+        return hook
+
+    # --- prefetch
+    def _prefetch(self, nxt: Unit | None) -> None:
+        """Issue the gather of ``nxt`` early, within the limit on gathered units.
+
+        full_shard: at most ``max_unsharded`` non-root units gathered or gathering at once.
+        shard_grad_op (units stay gathered until backward): one gather in flight at a time.
+        """
+        if nxt is None or nxt.state is not UnitState.SHARDED:
+            return
+        if self.strategy == "full_shard":
+            if self._count_unsharded() >= self.max_unsharded:
+                return
+        elif self._count_unsharded(gathering_only=True):
+            return
+        nxt.unshard()
+
+    def _count_unsharded(self, *, gathering_only: bool = False) -> int:
+        if gathering_only:
+            return sum(u.state is UnitState.GATHERING for u in self.units)
+        return sum(u.state is not UnitState.SHARDED for u in self.units if not u.is_root)
+
+    def _note_unsharded(self) -> None:
+        if self.strategy == "full_shard":
+            self.peak_unsharded = max(self.peak_unsharded, self._count_unsharded())
+
+    # --- backward
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            self.backward_order = []
+        if not self.callback_queued:
+            Variable._execution_engine.queue_callback(self._final_callback)
+            self.callback_queued = True
+        unit.wait_unshard()
+        self.backward_order.append(unit)
+        if not self.next_backward:  # first iteration: guess the reverse of forward
+            fwd = _dedup(self.forward_order)
+            self.next_backward = _successors([u for u in fwd if u.is_root] + [u for u in fwd[::-1] if not u.is_root])
+        self._prefetch(self.next_backward.get(unit))
+        self._note_unsharded()
+
+    def _make_grad_ready(self, unit: Unit):
+        def hook(param):
+            if not self.callback_queued:  # no_shard has no forward hooks that could queue it
+                Variable._execution_engine.queue_callback(self._final_callback)
+                self.callback_queued = True
+            unit.grads_ready += 1
+            if self.sync_grads and unit.grads_ready == unit.num_trainable:
+                unit.reduce_grads()
+
+        return hook
+
+    def post_backward(self, unit: Unit) -> None:
+        """The unit's backward is complete: its full parameters are no longer needed."""
+        if self.sync_grads and not unit.reduce_issued and unit.grads_ready == unit.num_trainable:
+            unit.reduce_grads()
+        if not unit.is_root:
+            unit.reshard()
+
+    def _final_callback(self) -> None:
+        ran = set(self.forward_order) | set(self.backward_order)
+        if self.sync_grads:
+            for u in self.units:  # parameters that got no gradient this step reduce as zeros
+                if not u.reduce_issued and (u in ran or u.grads_ready):
+                    u.reduce_grads()
+            for u in self.units:
+                u.finish_reduce()
+        for u in self.units:
+            u.reshard()
+            u.grads_ready = 0
+            u.reduce_issued = False
+        self.next_backward = _successors(self.backward_order)
+        self.callback_queued = False
+        self.phase = Phase.IDLE
+        self._check_all_ran(ran)
+
+    def _check_all_ran(self, ran: set[Unit]) -> None:
+        """After the first step, every unit with parameters must have been called as a module."""
+        if self.ran_once:
+            return
+        self.ran_once = ran
+        missing = [
+            u.label for u in self.units if u not in ran and u.num_trainable and isinstance(u, ShardedUnit)
+        ]
+        if missing:
+            raise ShardwiseError(
+                f"units {missing} never ran their forward, so their parameters were never "
+                "gathered; a unit must be a module that is called (not a container such as "
+                "nn.ModuleList, and not a module whose parameters are used by its parent). "
+                "Choose another wrap policy, or call shardwise.register_forward_method() for "
+                "methods that use the parameters."
+            )
+
+
+def _requires_grad(unit: Unit) -> list[bool]:
+    return [p.requires_grad for p in unit.full_params]
+
+
+def _successors(order: list[Unit]) -> dict[Unit, Unit]:
+    """Each unit's successor at its first appearance in ``order``."""
+    nxt: dict[Unit, Unit] = {}
+    for a, b in zip(order, order[1:]):
+        if a is not b:
+            nxt.setdefault(a, b)
+    return nxt
+
+
+def _dedup(order: list[Unit]) -> list[Unit]:
+    seen, out = set(), []
+    for u in order:
+        if u not in seen:
+            seen.add(u)
+            out.append(u)
+    return out

@@ -1,0 +1,254 @@
+"""One unit's life cycle: sharded -> gathering -> unsharded -> (backward) -> reduced -> sharded.
+
+A unit is a module chosen by the wrap policy (or the root) with the parameters it owns. It owns
+its buffers: the persistent flat shard (the optimizer's parameters are views of it), the
+unsharded buffer (storage allocated only while gathered), and the gradient collective in flight.
+Transitions are verbs that check the state they start from.
+
+Note [version counters]: the unsharded parameters are autograd leaves whose storage is
+refilled by every gather; the copy writes through ``.data`` aliases, which have their own
+version counters, so tensors that autograd saved in forward stay valid when backward gathers
+again into the same storage.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import collectives as C
+from .layout import Layout
+
+
+class UnitState(Enum):
+    SHARDED = auto()
+    GATHERING = auto()  # all-gather issued, not yet waited on
+    UNSHARDED = auto()
+
+
+class Registration:
+    """One place a parameter is registered: ``module._parameters[attr]`` is slot ``index``;
+    ``fqn`` is that place's qualified name in the model's state dict."""
+
+    __slots__ = ("module", "attr", "index", "fqn")
+
+    def __init__(self, module: nn.Module, attr: str, index: int, fqn: str):
+        self.module, self.attr, self.index, self.fqn = module, attr, index, fqn
+
+
+class Unit:
+    """Base of both unit kinds; ``name`` is the module's qualified name ('' for the root)."""
+
+    state: UnitState
+
+    def __init__(self, module: nn.Module, name: str, registrations: list[Registration], group):
+        self.module, self.name, self.registrations, self.group = module, name, registrations, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.label = name or "<root>"
+        self.grads_ready = 0  # trainable parameters whose gradient is complete this backward
+        self.reduce_issued = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ""
+
+    def _assert_state(self, *expected: UnitState) -> None:
+        assert self.state in expected, (
+            f"rank {self.rank}: unit '{self.label}' is {self.state.name}, expected "
+            f"{' or '.join(s.name for s in expected)}"
+        )
+
+
+class ShardedUnit(Unit):
+    """A unit whose parameters are sharded over the group (full_shard / shard_grad_op)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        registrations: list[Registration],
+        group,
+        layout: Layout,
+        flat_shard: torch.Tensor,
+        requires_grad: list[bool],
+    ):
+        super().__init__(module, name, registrations, group)
+        self.layout = layout
+        self.requires_grad = requires_grad
+        self.grad_layout = layout.subset(requires_grad)
+        self.num_trainable = sum(requires_grad)
+        self.flat_shard = flat_shard
+        self.shard_params = [
+            nn.Parameter(v, requires_grad=rg)
+            for v, rg in zip(layout.shard_views(flat_shard, self.rank), requires_grad)
+        ]
+        self.flat_full = torch.empty(layout.unsharded_numel, dtype=flat_shard.dtype, device=flat_shard.device)
+        self._flat_full_data = self.flat_full.data  # see Note [version counters]
+        self.full_params = [
+            nn.Parameter(v, requires_grad=rg)
+            for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
+        ]
+        self._free_full()
+        self.state = UnitState.SHARDED
+        self._gathered: torch.Tensor | None = None
+        self._gather: C.Pending | None = None
+        self._reduce: C.Pending | None = None
+        self._reduce_out: torch.Tensor | None = None
+        self._swap(self.shard_params)
+
+    # --- parameters as the module sees them
+    def _swap(self, params: list[nn.Parameter]) -> None:
+        for r in self.registrations:
+            r.module._parameters[r.attr] = params[r.index]
+
+    def _free_full(self) -> None:
+        self.flat_full.untyped_storage().resize_(0)
+
+    # --- forward/backward transitions
+    def unshard(self) -> None:
+        """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING."""
+        if self.state is not UnitState.SHARDED:
+            return
+        storage = self.flat_full.untyped_storage()
+        storage.resize_(self.flat_full.numel() * self.flat_full.element_size())
+        self._gathered = (
+            self._flat_full_data
+            if self.world == 1
+            else torch.empty_like(self._flat_full_data)
+        )
+        self._gather = C.all_gather(self._gathered, self.flat_shard, self.group, self.label)
+        self.state = UnitState.GATHERING
+
+    def wait_unshard(self) -> None:
+        """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
+        if self.state is UnitState.SHARDED:
+            self.unshard()
+        if self.state is UnitState.GATHERING:
+            self._gather.wait()
+            if self.world > 1:
+                self.layout.unpack(self._gathered, self._flat_full_data)
+            self._gathered = self._gather = None
+            self._swap(self.full_params)
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters and point the module at its shards: -> SHARDED."""
+        if self.state is UnitState.GATHERING:
+            self.wait_unshard()
+        if self.state is UnitState.UNSHARDED:
+            self._swap(self.shard_params)
+            self._free_full()
+            self.state = UnitState.SHARDED
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter this unit's full gradients in one collective (no wait)."""
+        if self.reduce_issued or self.num_trainable == 0:
+            self.reduce_issued = True
+            return
+        grads = []
+        for p, rg in zip(self.full_params, self.requires_grad):
+            if rg:
+                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+                p.grad = None
+        full = self.grad_layout.pack(grads)
+        if self.world == 1:
+            self._reduce_out, self._reduce = full.view(-1), None
+        else:
+            self._reduce_out = full.new_empty(self.grad_layout.shard_numel)
+            self._reduce = C.reduce_scatter(self._reduce_out, full.view(-1), self.group, self.label)
+        self.reduce_issued = True
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters."""
+        if self._reduce_out is None:
+            return
+        if self._reduce is not None:
+            self._reduce.wait()
+        out = self._reduce_out.div_(self.world)
+        views = self.grad_layout.shard_views(out, self.rank)
+        shards = [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+        for p, g in zip(shards, views):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+        self._reduce = self._reduce_out = None
+
+    def has_unsynced_grads(self) -> bool:
+        return any(p.grad is not None for p in self.full_params)
+
+    # --- whole-parameter access outside the life cycle (state dicts, inspection)
+    def gather_full(self) -> list[torch.Tensor]:
+        """The full parameters as fresh tensors (one blocking all-gather)."""
+        gathered = torch.empty(self.layout.unsharded_numel, dtype=self.flat_shard.dtype, device=self.flat_shard.device)
+        C.all_gather(gathered, self.flat_shard, self.group, self.label).wait()
+        full = torch.empty_like(gathered)
+        self.layout.unpack(gathered, full)
+        return self.layout.unsharded_views(full)
+
+    def load_full(self, tensors: list[torch.Tensor]) -> None:
+        """Set this rank's shards from full tensors (one per slot, the same on every rank)."""
+        with torch.no_grad():
+            packed = self.layout.pack([t.to(self.flat_shard) for t in tensors])
+            self.flat_shard.copy_(packed[self.rank])
+
+
+class ReplicatedUnit(Unit):
+    """A unit whose parameters stay whole on every rank (no_shard): gradients are all-reduced."""
+
+    state = UnitState.UNSHARDED
+
+    def __init__(self, module: nn.Module, name: str, registrations: list[Registration], group, params: list[nn.Parameter]):
+        super().__init__(module, name, registrations, group)
+        self.params = params
+        self.full_params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self.num_trainable = len(self.trainable)
+        self._reduce: C.Pending | None = None
+        self._bucket: torch.Tensor | None = None
+
+    def unshard(self) -> None:
+        pass
+
+    def wait_unshard(self) -> None:
+        pass
+
+    def reshard(self) -> None:
+        pass
+
+    def reduce_grads(self) -> None:
+        """All-reduce this unit's gradients as one flat bucket (no wait)."""
+        if self.reduce_issued or self.num_trainable == 0:
+            self.reduce_issued = True
+            return
+        for p in self.trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._bucket = torch.cat([p.grad.reshape(-1) for p in self.trainable])
+        if self.world > 1:
+            self._reduce = C.all_reduce(self._bucket, self.group, self.label)
+        self.reduce_issued = True
+
+    def finish_reduce(self) -> None:
+        if self._bucket is None:
+            return
+        if self._reduce is not None:
+            self._reduce.wait()
+        self._bucket.div_(self.world)
+        grads = [p.grad for p in self.trainable]
+        torch._foreach_copy_(grads, [b.view_as(g) for b, g in zip(self._bucket.split([g.numel() for g in grads]), grads)])
+        self._reduce = self._bucket = None
+
+    def has_unsynced_grads(self) -> bool:
+        return False
+
+    def gather_full(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.params]
+
+    def load_full(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, t in zip(self.params, tensors):
+                p.copy_(t)

@@ -1,0 +1,62 @@
+"""Wrap policies: which submodules become units. A policy is ``callable(module, name) -> bool``.
+
+Units nest: a module selected inside a selected module forms its own inner unit, and each
+parameter belongs to the innermost unit that holds every module using it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch.nn as nn
+
+Policy = Callable[[nn.Module, str], bool]
+
+# Containers are never called, so hooks on them would never fire: they are never units.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+class by_class:
+    """Select every submodule that is an instance of one of ``classes`` (e.g. the block class)."""
+
+    def __init__(self, *classes: type[nn.Module]):
+        if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"by_class takes nn.Module subclasses, got {classes!r}")
+        self.classes = classes
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return isinstance(module, self.classes)
+
+    def __repr__(self) -> str:
+        return f"by_class({', '.join(c.__name__ for c in self.classes)})"
+
+
+class by_size:
+    """Select a submodule when it holds at least ``min_params`` parameters not already in a
+    selected submodule of its own (bottom-up, like a size-based auto-wrap policy)."""
+
+    def __init__(self, min_params: int):
+        if not isinstance(min_params, int) or min_params < 1:
+            raise ValueError(f"by_size(min_params) needs a positive int, got {min_params!r}")
+        self.min_params = min_params
+        # module -> its parameters that no selected submodule of its own holds
+        self._unclaimed: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+    def _count(self, module: nn.Module) -> int:
+        if module not in self._unclaimed:
+            n = sum(p.numel() for p in module.parameters(recurse=False))
+            for child in module.children():
+                if not self._selects(child):
+                    n += self._count(child)
+            self._unclaimed[module] = n
+        return self._unclaimed[module]
+
+    def _selects(self, module: nn.Module) -> bool:
+        return not isinstance(module, CONTAINERS) and self._count(module) >= self.min_params
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        return self._selects(module)
+
+    def __repr__(self) -> str:
+        return f"by_size({self.min_params})"
