@@ -185,7 +185,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     parameter counted once).
     """
     rt = _runtime(model)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     device = groups.device()
     norm_type = float(norm_type)
     if grads:
@@ -204,8 +205,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             total = powered.pow(1.0 / norm_type)
     else:
         total = local
-    if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
@@ -280,8 +281,9 @@ def _state_dict_problem(sd, expected, full_shapes) -> str:
 
 
 def _require_idle(rt: Runtime, what: str) -> None:
-    if rt.phase is not Phase.IDLE:
-        raise ShardwiseError(f"{what}() was called during forward or backward; call it between steps")
+    if rt.phase is Phase.BACKWARD:
+        raise ShardwiseError(f"{what}() was called during backward; call it between steps")
+    rt.settle()  # a forward whose backward never came (e.g. evaluation with grad enabled)
 
 
 @contextlib.contextmanager

@@ -114,6 +114,7 @@ class Runtime:
             if unit.is_root:
                 self.phase = Phase.FORWARD
                 self.forward_order = []
+                self._expose_shards(False)
             unit.wait_unshard()
             self.forward_order.append(unit)
             self._prefetch(self.next_forward.get(unit))
@@ -141,9 +142,7 @@ class Runtime:
             if unit.is_root:
                 self.next_forward = _successors(self.forward_order)
                 if not grad:  # inference: nothing stays gathered
-                    for u in self.units:
-                        u.reshard()
-                    self.phase = Phase.IDLE
+                    self.settle()
             return None
 
         return hook
@@ -216,13 +215,24 @@ class Runtime:
             for u in self.units:
                 u.finish_reduce()
         for u in self.units:
-            u.reshard()
             u.grads_ready = 0
             u.reduce_issued = False
         self.next_backward = _successors(self.backward_order)
         self.callback_queued = False
-        self.phase = Phase.IDLE
+        self.settle()
         self._check_all_ran(ran)
+
+    def settle(self) -> None:
+        """End the step: every unit sharded, modules holding their shards again."""
+        for u in self.units:
+            u.reshard()
+        self._expose_shards(True)
+        self.phase = Phase.IDLE
+
+    def _expose_shards(self, exposed: bool) -> None:
+        for u in self.units:
+            if isinstance(u, ShardedUnit):
+                u.expose_shards(exposed)
 
     def _check_all_ran(self, ran: set[Unit]) -> None:
         """After the first step, every unit with parameters must have been called as a module."""

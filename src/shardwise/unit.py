@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
+from .errors import ShardwiseError
 from .layout import Layout
 
 
@@ -27,6 +28,40 @@ class UnitState(Enum):
     SHARDED = auto()
     GATHERING = auto()  # all-gather issued, not yet waited on
     UNSHARDED = auto()
+
+
+class NotGathered(torch.Tensor):
+    """What a sharded unit's modules hold during a step: any use outside the unit's forward
+    raises, naming the parameter, instead of computing silently on this rank's shard."""
+
+    _shardwise_name: str
+    _shardwise_unit: str
+    _METADATA = {"shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "size", "dim", "numel"}
+
+    @staticmethod
+    def make(shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str) -> NotGathered:
+        t = torch.Tensor._make_subclass(NotGathered, torch.empty(shape, dtype=dtype, device="meta"))
+        t._shardwise_name, t._shardwise_unit = name, unit
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        owner = getattr(func, "__self__", None)  # property getters: the descriptor
+        name = getattr(owner, "__name__", None) or getattr(func, "__name__", "")
+        if name in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        culprit = next(
+            (a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, NotGathered)), None
+        )
+        pname = culprit._shardwise_name if culprit is not None else "?"
+        unit = culprit._shardwise_unit if culprit is not None else "?"
+        raise ShardwiseError(
+            f"parameter '{pname}' was used while its unit '{unit}' is sharded ({name}): a unit "
+            "gathers its parameters only while its module is called. Call the module rather than "
+            "reading its parameters from outside, wrap a module that contains every use, or use "
+            "shardwise.register_forward_method() / shardwise.gathered()."
+        )
 
 
 class Registration:
@@ -91,6 +126,10 @@ class ShardedUnit(Unit):
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
         ]
+        self.not_gathered = [
+            NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label) for s in layout.slots
+        ]
+        self.exposed = True  # between steps the modules hold the shards; during one, NotGathered
         self._free_full()
         self.state = UnitState.SHARDED
         self._gathered: torch.Tensor | None = None
@@ -103,6 +142,12 @@ class ShardedUnit(Unit):
     def _swap(self, params: list[nn.Parameter]) -> None:
         for r in self.registrations:
             r.module._parameters[r.attr] = params[r.index]
+
+    def expose_shards(self, exposed: bool) -> None:
+        """Between steps (True) modules hold the shard parameters; during a step, placeholders."""
+        self.exposed = exposed
+        if self.state is UnitState.SHARDED:
+            self._swap(self.shard_params if exposed else self.not_gathered)
 
     def _free_full(self) -> None:
         self.flat_full.untyped_storage().resize_(0)
@@ -139,7 +184,7 @@ class ShardedUnit(Unit):
         if self.state is UnitState.GATHERING:
             self.wait_unshard()
         if self.state is UnitState.UNSHARDED:
-            self._swap(self.shard_params)
+            self._swap(self.shard_params if self.exposed else self.not_gathered)
             self._free_full()
             self.state = UnitState.SHARDED
 

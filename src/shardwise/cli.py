@@ -1,0 +1,21 @@
+"""The ``shardwise`` command: ``shardwise train|...``; each subcommand lives with its tool."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": ("shardwise.train", "train the built-in GPT with shardwise and report memory and bytes sent"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: shardwise COMMAND [options]   (shardwise COMMAND --help for its options)\n")
+        for name, (_, doc) in COMMANDS.items():
+            print(f"  {name:<10} {doc}")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    import importlib
+
+    importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

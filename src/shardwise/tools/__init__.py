@@ -1,0 +1,1 @@
+"""Tools that show what each rank holds and sends."""

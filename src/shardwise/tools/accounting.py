@@ -1,0 +1,80 @@
+"""Bytes each rank holds (parameter shards, gradients, optimizer state) against what DDP would
+hold, and the bytes a step should communicate in theory."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..api import units
+from ..unit import ReplicatedUnit, ShardedUnit
+
+
+def _full_numel(model: nn.Module) -> dict[nn.Parameter, int]:
+    """For every parameter the optimizer sees (shard or whole), its unsharded element count."""
+    out = {}
+    for u in units(model):
+        if isinstance(u, ShardedUnit):
+            for p, s in zip(u.shard_params, u.layout.slots):
+                out[p] = s.numel
+        else:
+            for p in u.params:
+                out[p] = p.numel()
+    return out
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """What this rank holds now, and what one DDP rank would hold for the same model.
+
+    params: the flat shards (padding included) or whole parameters; grads: the ``.grad`` tensors
+    present now (call after backward); optimizer: every tensor in the optimizer's state.
+    """
+    full = _full_numel(model)
+    params = 0
+    for u in units(model):
+        if isinstance(u, ShardedUnit):
+            params += u.flat_shard.numel() * u.flat_shard.element_size()
+        elif isinstance(u, ReplicatedUnit):
+            params += sum(p.numel() * p.element_size() for p in u.params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in full if p.grad is not None)
+    opt_bytes = ddp_opt = 0
+    if optimizer is not None:
+        for p, st in optimizer.state.items():
+            for t in st.values():
+                if isinstance(t, torch.Tensor):
+                    opt_bytes += t.numel() * t.element_size()
+                    scale = full.get(p, p.numel()) if t.shape == p.shape else t.numel()
+                    ddp_opt += scale * t.element_size()
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": opt_bytes,
+        "ddp_params": sum(n * p.element_size() for p, n in full.items()),
+        "ddp_grads": sum(n * p.element_size() for p, n in full.items() if p.requires_grad),
+        "ddp_optimizer": ddp_opt,
+    }
+
+
+def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
+    """Bytes per rank per step that the strategy moves in theory, for psi parameters of b bytes
+    on N ranks: full shard 3 psi b (N-1)/N, shard_grad_op and DDP 2 psi b (N-1)/N."""
+    full = _full_numel(model)
+    psi = sum(full.values())
+    b = next(iter(full)).element_size() if full else 4
+    group = units(model)[0].group
+    n = dist.get_world_size(group)
+    factor = 3 if strategy == "full_shard" else 2
+    notes = {
+        "full_shard": "measured is lower by the root unit's backward gather (it stays gathered "
+        "from forward to backward) and higher by padding rows",
+        "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
+        "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
+    }
+    return {
+        "formula": f"{factor}*psi*b*(N-1)/N",
+        "bytes": factor * psi * b * (n - 1) // n,
+        "psi": psi,
+        "b": b,
+        "note": notes[strategy],
+    }

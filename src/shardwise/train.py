@@ -1,0 +1,228 @@
+"""The main job: train the built-in GPT on the offline corpus with shardwise, and show what
+every rank held and sent.
+
+    shardwise train                       # 2 local ranks on CPU (Gloo), one per GPU on CUDA (NCCL)
+    torchrun --nproc_per_node 4 -m shardwise train --strategy shard_grad_op
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import api, groups
+from .collectives import comm_stats, reset_comm_stats
+from .tools.accounting import held_bytes, theory_bytes_per_step
+from .wrap import by_class, by_size
+
+
+@dataclass
+class TrainConfig:
+    """Options of ``shardwise train`` (each doubles as the CLI help)."""
+
+    nproc: int = 0  # ranks to launch on this machine (0: one per GPU, else 2)
+    strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard
+    wrap: str = "block"  # block (one unit per transformer block) | size | none (root only)
+    steps: int = 300  # optimizer steps
+    batch_size: int = 8  # sequences per rank per step
+    model_size: str = "small"  # tiny | small | medium | large
+    seq_len: int = 64  # tokens per sequence
+    lr: float = 2e-3  # peak learning rate (AdamW, warm-up then cosine decay)
+    seed: int = 0
+    log_every: int = 10  # steps between progress updates
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="shardwise train", description=__doc__.splitlines()[0])
+    defaults = TrainConfig()
+    p.add_argument("--nproc", type=int, default=defaults.nproc, help="ranks on this machine (0: one per GPU, else 2)")
+    p.add_argument("--strategy", choices=api.STRATEGIES, default=defaults.strategy)
+    p.add_argument("--wrap", choices=("block", "size", "none"), default=defaults.wrap, help="which modules become units")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")
+    p.add_argument("--model-size", choices=("tiny", "small", "medium", "large"), default=defaults.model_size)
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--log-every", type=int, default=defaults.log_every)
+    a = p.parse_args(argv)
+    return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    if "RANK" in os.environ:  # already launched by torchrun
+        worker(cfg)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = cfg.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    elastic_launch(launch, worker)(cfg)
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, cfg.steps // 20)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def worker(cfg: TrainConfig) -> dict:
+    """One rank of the job: build on the meta device, shard, train, report."""
+    from .data import get_batch, rank_slice
+    from .models import GPT, Block, gpt_config
+
+    groups.init()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = groups.device()
+    mcfg = gpt_config(cfg.model_size, seq_len=cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    with torch.device("meta"):
+        model = GPT(mcfg)
+    wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[cfg.wrap]
+    api.shard(model, wrap=wrap, strategy=cfg.strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    bar = Progress(cfg.steps, enabled=rank == 0)
+    tokens_per_step = cfg.batch_size * world * cfg.seq_len
+    step_times, first_loss, loss = [], None, float("nan")
+    warmup = min(5, cfg.steps // 4)
+    for step in range(cfg.steps):
+        if step == warmup:
+            reset_comm_stats()
+        t0 = time.perf_counter()
+        x, y = get_batch(step, cfg.batch_size * world, cfg.seq_len, seed=cfg.seed)
+        x, y = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        out = model(x, y)
+        out.backward()
+        api.clip_grad_norm_(model, 1.0)
+        opt.step()
+        if step == cfg.steps - 1:
+            held = held_bytes(model, opt)  # with this step's gradients still present
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            t = out.detach().clone()
+            dist.all_reduce(t)
+            loss = t.item() / world
+            first_loss = loss if first_loss is None else first_loss
+            recent = step_times[-cfg.log_every :]
+            bar.update(step + 1, loss, tokens_per_step / (sum(recent) / len(recent)))
+    bar.close()
+    measured = max(1, cfg.steps - warmup)
+    stats = comm_stats()
+    per_step = {k: v.bytes // measured for k, v in stats.items()}
+    row = {
+        "rank": rank,
+        **held,
+        "all_gather": per_step["all_gather"],
+        "reduce_scatter": per_step["reduce_scatter"],
+        "all_reduce": per_step["all_reduce"],
+        "step_ms": 1000 * sorted(step_times[warmup:] or step_times)[len(step_times[warmup:] or step_times) // 2],
+    }
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    summary = {
+        "config": asdict(cfg),
+        "world_size": world,
+        "device": str(device),
+        "first_loss": first_loss,
+        "final_loss": loss,
+        "rows": rows,
+        "theory": theory_bytes_per_step(model, cfg.strategy),
+        "tokens_per_s": tokens_per_step / (sum(step_times[warmup:]) / measured),
+    }
+    if rank == 0:
+        print(render_summary(summary), flush=True)
+    dist.barrier()
+    return summary
+
+
+class Progress:
+    """A one-line progress bar on a terminal, plain lines elsewhere (rank 0 only)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stdout.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = int(width * step / self.total)
+        line = (
+            f"step {step:>5}/{self.total} [{'=' * done}{'>' if done < width else ''}"
+            f"{' ' * (width - done - 1)}] loss {loss:6.3f} | {tokens_per_s / 1000:6.1f}k tok/s"
+        )
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(flush=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:8.2f}"
+
+
+def render_summary(s: dict) -> str:
+    """The closing table: what each rank held against DDP, and what it sent against theory."""
+    rows, theory = s["rows"], s["theory"]
+    n = s["world_size"]
+    lines = [
+        f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}   "
+        f"{s['tokens_per_s'] / 1000:.1f}k tokens/s   {n} ranks on {s['device']}   "
+        f"strategy {s['config']['strategy']}, wrap {s['config']['wrap']}",
+        "",
+        "memory held per rank (MiB)      params    grads  optimizer    total   DDP total",
+    ]
+    ddp = rows[0]["ddp_params"] + rows[0]["ddp_grads"] + rows[0]["ddp_optimizer"]
+    for r in rows:
+        total = r["params"] + r["grads"] + r["optimizer"]
+        lines.append(
+            f"  rank {r['rank']:<24}{_mib(r['params'])} {_mib(r['grads'])} {_mib(r['optimizer'])}   "
+            f"{_mib(total)}    {_mib(ddp)}"
+        )
+    lines += [
+        "",
+        "bytes sent per rank per step (MiB)   all-gather  reduce-scatter  all-reduce   total   step ms",
+    ]
+    for r in rows:
+        total = r["all_gather"] + r["reduce_scatter"] + r["all_reduce"]
+        lines.append(
+            f"  rank {r['rank']:<30}{_mib(r['all_gather'])}    {_mib(r['reduce_scatter'])}"
+            f"   {_mib(r['all_reduce'])} {_mib(total)}  {r['step_ms']:8.1f}"
+        )
+    lines.append(
+        f"  theory: {theory['formula']} = {theory['bytes'] / 2**20:.2f} MiB "
+        f"(psi = {theory['psi']:,} parameters, b = {theory['b']} bytes, N = {n}); {theory['note']}"
+    )
+    return "\n".join(lines)

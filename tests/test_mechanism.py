@@ -1,0 +1,219 @@
+"""What each rank holds and sends, accumulation, clipping, state dicts and deferred init."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from nets import Block, batch, local_slice, loss_of, make, wrap_policy
+
+import shardwise
+from shardwise.unit import ReplicatedUnit, ShardedUnit
+
+
+# --- memory: shards are 1/N plus padding; full_shard keeps at most the limit gathered
+def held_per_rank(strategy):
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = []
+
+    def watch(module, args, output):
+        states = shardwise.unit_states(model)
+        seen.append(sum(s != "SHARDED" for name, s in states.items() if name != "<root>"))
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(watch)
+    for step in range(2):
+        x, y = batch("tied", step, 2 * dist.get_world_size())
+        loss_of(model, local_slice(x), local_slice(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    param_elems = sum(p.numel() for p in model.parameters())
+    flat_elems = sum(u.flat_shard.numel() for u in shardwise.units(model) if isinstance(u, ShardedUnit))
+    padding = sum(
+        s.rows_per_rank * s.row_numel * u.world - s.numel
+        for u in shardwise.units(model) if isinstance(u, ShardedUnit) for s in u.layout.slots
+    )
+    state_elems = sum(
+        t.numel() for st in opt.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")
+    )
+    return param_elems, flat_elems, padding, state_elems, max(seen), model._shardwise.peak_unsharded
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_memory_is_one_nth_plus_padding(pools, world_size):
+    total = sum(p.numel() for p in make("tied").parameters())
+    results = pools(world_size).run(held_per_rank, "full_shard")
+    assert sum(r[0] for r in results) == total  # every element lives on exactly one rank
+    for param_elems, flat_elems, padding, state_elems, seen_max, peak in results:
+        assert flat_elems == (total + padding) // world_size  # the flat shard: 1/N plus padding
+        assert param_elems <= flat_elems
+        assert state_elems == 2 * param_elems  # Adam's two moments, sharded like the params
+        assert seen_max <= 2 and peak <= 2  # never more than max_unsharded blocks gathered
+        assert seen_max == 2  # and prefetch did overlap one block ahead
+
+
+# --- communication: bytes per step equal the theory exactly
+def comm_per_step(strategy, steps=3):
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = dist.get_world_size()
+    shardwise.reset_comm_stats()
+    for step in range(steps):
+        x, y = batch("tied", step, 2 * n)
+        loss_of(model, local_slice(x), local_slice(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = shardwise.comm_stats()
+    expected = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for u in shardwise.units(model):
+        if isinstance(u, ShardedUnit):
+            gathers = 2 if strategy == "full_shard" and not u.is_root else 1
+            expected["all_gather"] += gathers * (u.layout.unsharded_numel * 4) * (n - 1) // n
+            expected["reduce_scatter"] += (u.grad_layout.unsharded_numel * 4) * (n - 1) // n
+        elif isinstance(u, ReplicatedUnit) and u.num_trainable:
+            numel = sum(p.numel() for p in u.trainable)
+            expected["all_reduce"] += 2 * (numel * 4) * (n - 1) // n
+    measured = {k: stats[k].bytes // steps for k in expected}
+    sharded = [u for u in shardwise.units(model) if isinstance(u, ShardedUnit)]
+    padded = sum(u.layout.unsharded_numel for u in sharded)
+    root = sum(u.layout.unsharded_numel for u in sharded if u.is_root)
+    return measured, expected, padded, root
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_per_step_equal_theory(pools, world_size, strategy):
+    measured, expected, padded, root = pools(world_size).run(comm_per_step, strategy)[0]
+    assert measured == expected
+    n, b = world_size, 4
+    psi = sum(p.numel() for p in make("tied").parameters())
+    if strategy == "no_shard":  # DDP: 2 psi b (N-1)/N
+        assert measured["all_reduce"] == 2 * psi * b * (n - 1) // n
+        return
+    assert measured["all_reduce"] == 0
+    assert padded >= psi  # padding rows (exact bound: test_layout)
+    # full shard: 3 psi b (N-1)/N, less the root's gather in backward (it stays gathered);
+    # shard_grad_op gathers once: 2 psi b (N-1)/N
+    theory = (3 * padded - root if strategy == "full_shard" else 2 * padded) * b * (n - 1) / n
+    assert abs(measured["all_gather"] + measured["reduce_scatter"] - theory) <= 8
+
+
+# --- no_sync over k micro-batches equals one big batch
+def accumulate(strategy, k=3):
+    ref = make("tied")
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    n = dist.get_world_size()
+    x, y = batch("tied", 0, 2 * k * n)
+    xs, ys = local_slice(x).chunk(k), local_slice(y).chunk(k)
+    shardwise.reset_comm_stats()
+    with shardwise.no_sync(model):
+        for i in range(k - 1):
+            (loss_of(model, xs[i], ys[i]) / k).backward()
+    silent = shardwise.comm_stats()
+    (loss_of(model, xs[-1], ys[-1]) / k).backward()
+    opt.step()
+    loss_of(ref, x, y).backward()
+    ref_opt.step()
+    full = shardwise.full_state_dict(model)
+    rs = silent["reduce_scatter"].calls + silent["all_reduce"].calls
+    if dist.get_rank():
+        return rs, None
+    return rs, max((full[k2] - v).abs().max().item() for k2, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
+def test_no_sync_accumulation_equals_big_batch(pools, strategy):
+    (silent_reductions, diff), *_ = pools(2).run(accumulate, strategy)
+    assert silent_reductions == 0
+    assert diff <= 1e-5
+
+
+# --- clip_grad_norm_ gives the unsharded norm
+def clip(strategy, norm_type):
+    ref = make("tied")
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    n = dist.get_world_size()
+    x, y = batch("tied", 0, 2 * n)
+    loss_of(model, local_slice(x), local_slice(y)).backward()
+    norm = shardwise.clip_grad_norm_(model, 0.05, norm_type)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    loss_of(ref, x, y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    full = shardwise.full_state_dict(model)
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if full else 0.0
+    return float(norm), float(ref_norm), diff
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_clip_grad_norm_equals_unsharded(pools, strategy, norm_type):
+    for norm, ref_norm, diff in pools(3).run(clip, strategy, norm_type):
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+        assert norm > 0.05  # the clip was active
+        assert diff <= 1e-6
+
+
+# --- state dicts
+def state_dicts(strategy):
+    ref = make("tied")
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    same_keys = list(model.state_dict()) == list(ref.state_dict())
+    full = shardwise.full_state_dict(model, rank0_only=False)
+    # a round trip through a differently initialised sharded model
+    other = shardwise.shard(make("tied", seed=7), wrap=wrap_policy("by_size", "tied"), strategy=strategy)
+    shardwise.load_full_state_dict(other, full if dist.get_rank() == 0 else None)
+    again = shardwise.full_state_dict(other, rank0_only=False)
+    plain = make("tied", seed=9)
+    plain.load_state_dict(again)
+    exact = all(torch.equal(plain.state_dict()[k], v) for k, v in ref.state_dict().items())
+    return same_keys, list(full) == list(ref.state_dict()), exact
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_full_state_dict_round_trip(pools, strategy):
+    for same_keys, full_keys, exact in pools(3).run(state_dicts, strategy):
+        assert same_keys and full_keys and exact
+
+
+def bad_state_dict():
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"))
+    sd = shardwise.full_state_dict(model, rank0_only=False)
+    sd["blocks.0.fc.weight"] = torch.zeros(3, 3)
+    try:
+        shardwise.load_full_state_dict(model, sd)
+    except shardwise.ShardwiseError as e:
+        return str(e)
+    return "no error"
+
+
+def test_load_full_state_dict_names_the_bad_entry_on_every_rank(pools):
+    for msg in pools(2).run(bad_state_dict):
+        assert "blocks.0.fc.weight" in msg and "(3, 3)" in msg
+
+
+# --- meta-device init equals eager init with the same seed
+def meta_init(size):
+    from shardwise.models import GPT, Block as GPTBlock, gpt_config
+
+    cfg = gpt_config(size)
+    torch.manual_seed(3)
+    eager = GPT(cfg)
+    with torch.device("meta"):
+        lazy = GPT(cfg)
+    torch.manual_seed(3)
+    shardwise.shard(lazy, wrap=shardwise.wrap.by_class(GPTBlock))
+    full = shardwise.full_state_dict(lazy)
+    if dist.get_rank():
+        return True
+    return all(torch.equal(full[k], v) for k, v in eager.state_dict().items())
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_meta_init_equals_eager(pools, world_size):
+    assert all(pools(world_size).run(meta_init, "tiny"))
