@@ -277,7 +277,7 @@ class WorkerPool:
         return outcomes
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the workers: a stop message, then terminate, then kill."""
+        """Stop the workers: a stop message, a join bounded by ``timeout``, then SIGKILL."""
         if self._closed:
             return
         self._closed = True

@@ -8,11 +8,13 @@ rank: (N-1)/N of the full tensor for all-gather and reduce-scatter, twice that f
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from . import events
 from .errors import CollectiveError
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -53,11 +55,11 @@ def reset_comm_stats() -> None:
 class Pending:
     """An issued collective; ``wait()`` blocks until it is done and books its time."""
 
-    __slots__ = ("work", "kind", "label", "group", "t_issue", "_done")
+    __slots__ = ("work", "kind", "label", "group", "t_issue", "nbytes", "_done")
 
-    def __init__(self, work, kind: str, label: str, group, t_issue: float):
+    def __init__(self, work, kind: str, label: str, group, t_issue: float, nbytes: int):
         self.work, self.kind, self.label, self.group = work, kind, label, group
-        self.t_issue = t_issue
+        self.t_issue, self.nbytes = t_issue, nbytes
         self._done = work is None
 
     def wait(self) -> None:
@@ -73,6 +75,8 @@ class Pending:
         s.seconds += t1 - self.t_issue
         s.wait_seconds += t1 - t0
         self._done = True
+        if events.listeners:
+            events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
 
 
 def _collective_error(kind: str, label: str, group, exc: BaseException) -> CollectiveError:
@@ -92,27 +96,82 @@ def _book(kind: str, nbytes_full: int, world: int, factor: int = 1) -> None:
     s.bytes += factor * nbytes_full * (world - 1) // world
 
 
-def _issue(kind: str, label: str, group, fn, *args, **kwargs) -> Pending:
+class _SequenceCheck:
+    """Debug mode: before each collective, ranks compare what they are about to issue.
+
+    Each rank all-gathers a fingerprint (call number, kind, unit, elements, dtype) over a side
+    Gloo group, so a rank that took another path is caught before the collective can
+    mismatch, on every rank at once, with the unit each rank was at. Costs one small blocking
+    round trip per collective, hence off by default (``shardwise.init(check_collectives=True)``).
+    """
+
+    def __init__(self):
+        self.side = dist.new_group(backend="gloo")
+        self.calls = 0
+        self.labels: dict[int, str] = {}
+
+    def check(self, kind: str, label: str, tensor: torch.Tensor) -> None:
+        key = zlib.crc32(label.encode())
+        self.labels[key] = label
+        mine = torch.tensor(
+            [self.calls, KINDS.index(kind), key, tensor.numel(), _DTYPES.index(tensor.dtype)],
+            dtype=torch.int64,
+        )
+        self.calls += 1
+        world = dist.get_world_size(self.side)
+        everyone = torch.empty(world * 5, dtype=torch.int64)
+        try:
+            _all_gather_tensor(everyone, mine, group=self.side)
+        except Exception as exc:
+            raise _collective_error(kind, label, None, exc) from exc
+        everyone = everyone.view(world, 5)
+        if bool((everyone == mine).all()):
+            return
+        rows = [
+            f"rank {r}: call #{int(f[0])} {KINDS[int(f[1])]} for unit "
+            f"'{self.labels.get(int(f[2]), '?')}' ({int(f[3])} elements, {_DTYPES[int(f[4])]})"
+            for r, f in enumerate(everyone)
+        ]
+        raise CollectiveError(
+            "ranks diverged: they are about to issue different collectives; every rank must "
+            "run the same units in the same order (look for data-dependent control flow). "
+            + "; ".join(rows)
+        )
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+_check: _SequenceCheck | None = None
+
+
+def check_collectives(enabled: bool) -> None:
+    """Turn the cross-rank collective sequence check on or off (collective: call on every rank)."""
+    global _check
+    _check = _SequenceCheck() if enabled else None
+
+
+def _issue(kind: str, label: str, group, full: torch.Tensor, fn, *args, **kwargs) -> Pending:
+    if _check is not None and group is None:
+        _check.check(kind, label, full)
     t0 = time.perf_counter()
     try:
         work = fn(*args, group=group, async_op=True, **kwargs)
     except Exception as exc:
         raise _collective_error(kind, label, group, exc) from exc
-    return Pending(work, kind, label, group, t0)
+    return Pending(work, kind, label, group, t0, full.numel() * full.element_size())
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, label: str) -> Pending:
     """Gather every rank's equal-sized ``shard`` into ``out`` (rank-major), asynchronously."""
     world = dist.get_world_size(group)
     _book("all_gather", out.numel() * out.element_size(), world)
-    return _issue("all_gather", label, group, _all_gather_tensor, out, shard)
+    return _issue("all_gather", label, group, out, _all_gather_tensor, out, shard)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, label: str) -> Pending:
     """Sum ``full`` over ranks and leave this rank's equal slice in ``out``, asynchronously."""
     world = dist.get_world_size(group)
     _book("reduce_scatter", full.numel() * full.element_size(), world)
-    return _issue("reduce_scatter", label, group, _reduce_scatter_tensor, out, full)
+    return _issue("reduce_scatter", label, group, full, _reduce_scatter_tensor, out, full)
 
 
 def all_reduce(
@@ -121,7 +180,7 @@ def all_reduce(
     """Reduce ``tensor`` in place over ranks, asynchronously."""
     world = dist.get_world_size(group)
     _book("all_reduce", tensor.numel() * tensor.element_size(), world, factor=2)
-    return _issue("all_reduce", label, group, dist.all_reduce, tensor, op=op)
+    return _issue("all_reduce", label, group, tensor, dist.all_reduce, tensor, op=op)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:
@@ -129,4 +188,4 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending
     world = dist.get_world_size(group)
     _book("broadcast", tensor.numel() * tensor.element_size(), world)
     src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
-    return _issue("broadcast", label, group, dist.broadcast, tensor, src)
+    return _issue("broadcast", label, group, tensor, dist.broadcast, tensor, src)

@@ -8,21 +8,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 DEFAULT_TIMEOUT_S = 300.0
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def init(
+    *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, check_collectives: bool = False
+) -> None:
     """Start the default process group from torchrun's environment.
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds each process to
     ``cuda:LOCAL_RANK``, and sets the collective timeout (seconds) after which a collective
     that cannot complete (a rank died or took another path) raises on every rank instead of
     hanging. Without torchrun's variables it starts a world of size 1. A no-op when a default
-    group already exists.
+    group already exists, except that ``check_collectives`` (debug mode: ranks compare every
+    collective before issuing it, so one that took another path is named at once) is applied.
     """
     if dist.is_initialized():
+        collectives.check_collectives(check_collectives)
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -35,6 +41,7 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
+    collectives.check_collectives(check_collectives)
 
 
 def device() -> torch.device:

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from . import events
 from .errors import ShardwiseError
 from .unit import ShardedUnit, Unit, UnitState
 
@@ -116,6 +117,8 @@ class Runtime:
                 self.forward_order = []
                 self._expose_shards(False)
             unit.wait_unshard()
+            if events.listeners:
+                events.emit("forward", unit.label, edge="begin")
             self.forward_order.append(unit)
             self._prefetch(self.next_forward.get(unit))
             self._note_unsharded()
@@ -132,6 +135,8 @@ class Runtime:
         def hook(module, args, output):
             if self.phase is Phase.BACKWARD:
                 return None
+            if events.listeners:
+                events.emit("forward", unit.label, edge="end")
             grad = torch.is_grad_enabled()
             if not grad or (self.strategy == "full_shard" and not unit.is_root):
                 unit.reshard()
@@ -181,6 +186,8 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._final_callback)
             self.callback_queued = True
         unit.wait_unshard()
+        if events.listeners:
+            events.emit("backward", unit.label, edge="begin")
         self.backward_order.append(unit)
         if not self.next_backward:  # first iteration: guess the reverse of forward
             fwd = _dedup(self.forward_order)
@@ -201,6 +208,8 @@ class Runtime:
 
     def post_backward(self, unit: Unit) -> None:
         """The unit's backward is complete: its full parameters are no longer needed."""
+        if events.listeners:
+            events.emit("backward", unit.label, edge="end")
         if self.sync_grads and not unit.reduce_issued and unit.grads_ready == unit.num_trainable:
             unit.reduce_grads()
         if not unit.is_root:
@@ -220,6 +229,8 @@ class Runtime:
         self.next_backward = _successors(self.backward_order)
         self.callback_queued = False
         self.settle()
+        if events.listeners:
+            events.emit("step_end", "")
         self._check_all_ran(ran)
 
     def settle(self) -> None:

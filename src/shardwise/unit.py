@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
+from . import events
 from .errors import ShardwiseError
 from .layout import Layout
 
@@ -166,6 +167,8 @@ class ShardedUnit(Unit):
         )
         self._gather = C.all_gather(self._gathered, self.flat_shard, self.group, self.label)
         self.state = UnitState.GATHERING
+        if events.listeners:
+            events.emit("gather_issue", self.label, bytes=self._gathered.numel() * self._gathered.element_size())
 
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
@@ -178,6 +181,8 @@ class ShardedUnit(Unit):
             self._gathered = self._gather = None
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
+            if events.listeners:
+                events.emit("gather_done", self.label)
 
     def reshard(self) -> None:
         """Free the full parameters and point the module at its shards: -> SHARDED."""
@@ -187,6 +192,8 @@ class ShardedUnit(Unit):
             self._swap(self.shard_params if self.exposed else self.not_gathered)
             self._free_full()
             self.state = UnitState.SHARDED
+            if events.listeners:
+                events.emit("reshard", self.label)
 
     def reduce_grads(self) -> None:
         """Reduce-scatter this unit's full gradients in one collective (no wait)."""
@@ -205,6 +212,8 @@ class ShardedUnit(Unit):
             self._reduce_out = full.new_empty(self.grad_layout.shard_numel)
             self._reduce = C.reduce_scatter(self._reduce_out, full.view(-1), self.group, self.label)
         self.reduce_issued = True
+        if events.listeners:
+            events.emit("reduce_issue", self.label, bytes=full.numel() * full.element_size())
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters."""
@@ -221,6 +230,8 @@ class ShardedUnit(Unit):
             else:
                 p.grad += g
         self._reduce = self._reduce_out = None
+        if events.listeners:
+            events.emit("reduce_done", self.label)
 
     def has_unsynced_grads(self) -> bool:
         return any(p.grad is not None for p in self.full_params)
@@ -276,6 +287,8 @@ class ReplicatedUnit(Unit):
         if self.world > 1:
             self._reduce = C.all_reduce(self._bucket, self.group, self.label)
         self.reduce_issued = True
+        if events.listeners:
+            events.emit("reduce_issue", self.label, bytes=self._bucket.numel() * self._bucket.element_size())
 
     def finish_reduce(self) -> None:
         if self._bucket is None:
@@ -286,6 +299,8 @@ class ReplicatedUnit(Unit):
         grads = [p.grad for p in self.trainable]
         torch._foreach_copy_(grads, [b.view_as(g) for b, g in zip(self._bucket.split([g.numel() for g in grads]), grads)])
         self._reduce = self._bucket = None
+        if events.listeners:
+            events.emit("reduce_done", self.label)
 
     def has_unsynced_grads(self) -> bool:
         return False

@@ -1,0 +1,110 @@
+"""A rank that dies or takes another path ends every rank with an error naming the unit,
+within the group's timeout, never a hang."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from nets import batch, local_slice, loss_of, make, wrap_policy
+from pool import WorkerPool
+
+import shardwise
+
+GROUP_TIMEOUT = 6.0
+
+
+@pytest.fixture
+def fragile_pool():
+    """A pool of its own (these tests break it) with a short collective timeout."""
+    pool = WorkerPool(2, timeout=60, group_timeout=GROUP_TIMEOUT)
+    yield pool
+    pool.close()
+
+
+def die_or_diverge(how: str, check: bool = False):
+    shardwise.init(check_collectives=check)
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"))
+    if dist.get_rank() == 1:
+        if how == "die":
+            model.blocks[1].register_forward_pre_hook(lambda m, a: os._exit(7))
+        else:  # another path: this rank skips a block
+            model.blocks[1].forward = lambda x: x
+    for step in range(3):
+        x, y = batch("tied", step, 4)
+        loss_of(model, local_slice(x), local_slice(y)).backward()
+    shardwise.full_state_dict(model)
+    shardwise.init(check_collectives=False)
+    return "finished"
+
+
+def test_dead_rank_ends_the_others_with_a_named_unit(fragile_pool):
+    t0 = time.monotonic()
+    out = fragile_pool.run_outcomes(die_or_diverge, "die")
+    assert time.monotonic() - t0 < GROUP_TIMEOUT + 20
+    assert out[1].exitcode == 7
+    assert not out[0].ok and out[0].error_type.endswith("CollectiveError"), out[0]
+    assert "for unit 'blocks." in out[0].error_message and "rank 0" in out[0].error_message
+
+
+def test_rank_on_another_path_is_named_on_every_rank_in_debug_mode(fragile_pool):
+    t0 = time.monotonic()
+    out = fragile_pool.run_outcomes(die_or_diverge, "diverge", check=True)
+    assert time.monotonic() - t0 < GROUP_TIMEOUT + 20
+    for o in out:
+        assert not o.ok, f"rank {o.rank} finished although its peer took another path"
+        assert o.error_type.endswith("CollectiveError"), o
+        assert "ranks diverged" in o.error_message
+        lines = re.findall(r"rank (\d): call #(\d+) (\w+) for unit '([^']+)'", o.error_message)
+        assert [r for r, *_ in lines] == ["0", "1"] and lines[0][1:] != lines[1][1:]
+
+
+def test_rank_on_another_path_without_debug_mode_never_hangs(fragile_pool):
+    # Without the check Gloo itself aborts a rank whose collective does not match ("Received
+    # data size doesn't match expected size"); its peers then end with the named unit.
+    t0 = time.monotonic()
+    out = fragile_pool.run_outcomes(die_or_diverge, "diverge")
+    assert time.monotonic() - t0 < 2 * GROUP_TIMEOUT + 20
+    assert not any(o.ok for o in out)
+    named = [o for o in out if o.error_type and o.error_type.endswith("CollectiveError")]
+    assert named and all("for unit '" in o.error_message for o in named)
+
+
+INIT_TIMEOUT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch, shardwise
+    shardwise.init(timeout=3)
+    model = shardwise.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                            wrap=lambda m, name: name == "1")
+    if torch.distributed.get_rank() == 1:
+        time.sleep(30)  # a stalled rank
+        sys.exit(0)
+    t0 = time.monotonic()
+    try:
+        model(torch.randn(2, 4))
+    except shardwise.CollectiveError as e:
+        print("ELAPSED", time.monotonic() - t0, "MESSAGE", e)
+    """
+)
+
+
+def test_init_timeout_bounds_a_stalled_collective(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(INIT_TIMEOUT_SCRIPT)
+    port = 29000 + os.getpid() % 2000
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
+    out0, _ = procs[0].communicate(timeout=60)
+    procs[1].kill()
+    assert "ELAPSED" in out0, out0
+    elapsed = float(out0.split("ELAPSED")[1].split()[0])
+    assert 2.5 <= elapsed <= 10, elapsed
+    assert "for unit '<root>'" in out0 or "for unit '1'" in out0
