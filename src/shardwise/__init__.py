@@ -18,9 +18,13 @@ from .api import (
     unit_states,
     units,
 )
+from .checkpointing import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
 from .groups import init
+from .policies import MixedPrecision
+from .scaler import GradScaler
+from .tools.accounting import dtype_table, held_bytes
 
 __all__ = [
     "init",
@@ -34,6 +38,11 @@ __all__ = [
     "register_forward_method",
     "unit_states",
     "units",
+    "MixedPrecision",
+    "GradScaler",
+    "checkpoint_activations",
+    "dtype_table",
+    "held_bytes",
     "comm_stats",
     "reset_comm_stats",
     "CollectiveStats",

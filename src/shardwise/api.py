@@ -25,6 +25,7 @@ from .build import (
     select_units,
 )
 from .errors import ShardwiseError
+from .policies import MixedPrecision
 from .runtime import Phase, Runtime
 from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 from .wrap import Policy
@@ -40,6 +41,8 @@ def shard(
     strategy: Strategy = "full_shard",
     group: dist.ProcessGroup | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    mixed_precision: MixedPrecision | str | None = None,
+    cpu_offload: bool = False,
     max_unsharded: int = 2,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
@@ -54,6 +57,11 @@ def shard(
     again for backward; "shard_grad_op" keeps them from forward to backward; "no_shard" keeps
     whole parameters on every rank and all-reduces gradients (DDP). ``max_unsharded`` bounds
     how many units (besides the root) full_shard keeps gathered at once, prefetch included.
+
+    mixed_precision: "bf16" / "fp16" (16-bit gather and compute, fp32 gradient reduction) or a
+    ``MixedPrecision``; shards and optimizer state stay in the parameters' dtype. fp16 needs a
+    ``shardwise.GradScaler``. cpu_offload: shards, their gradients and so the optimizer state
+    live in host memory; each unit is copied to the device just before its gather.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
@@ -68,6 +76,12 @@ def shard(
                 f"{type(module).__name__} is already sharded ({where} was passed to "
                 "shard() before); shard() runs once per model: build a new model to shard again."
             )
+    precision = MixedPrecision.of(mixed_precision)
+    if cpu_offload and strategy == "no_shard":
+        raise ShardwiseError(
+            "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
+            "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
+        )
     rank, world = groups.rank_and_size(group)
     plans = select_units(module, wrap)
     assign_params(module, plans)
@@ -76,8 +90,15 @@ def shard(
 
     sharded = strategy != "no_shard"
     layouts = [layout_of(p, world if sharded else 1) for p in plans]
+    home = torch.device("cpu") if cpu_offload else device  # where the master shards live
+    pin = cpu_offload and device.type == "cuda"
     flats = [
-        torch.zeros(lay.shard_numel, dtype=p.params[0].dtype if p.params else torch.float32, device=device)
+        torch.zeros(
+            lay.shard_numel,
+            dtype=p.params[0].dtype if p.params else torch.float32,
+            device=home,
+            pin_memory=pin,
+        )
         for p, lay in zip(plans, layouts)
     ]
     where = {}
@@ -100,20 +121,30 @@ def shard(
         for name, b in module.named_buffers():
             if not b.is_meta:
                 b.data = broadcast_from_rank0([b], device, group, name)[0].clone()
+            if precision.buffer_dtype is not None and b.is_floating_point():
+                b.data = b.data.to(precision.buffer_dtype)
 
+    copy_stream = torch.cuda.Stream() if pin else None
     units: list[Unit] = []
     for plan, lay, flat in zip(plans, layouts, flats):
         rg = [p.requires_grad for p in plan.params]
         if sharded:
-            units.append(ShardedUnit(plan.module, plan.name, plan.registrations, group, lay, flat, rg))
+            units.append(
+                ShardedUnit(
+                    plan.module, plan.name, plan.registrations, group, lay, flat, rg,
+                    device=device, precision=precision, offload=cpu_offload, copy_stream=copy_stream,
+                )
+            )
         else:
             params = [nn.Parameter(v, requires_grad=r) for v, r in zip(lay.unsharded_views(flat), rg)]
             for r in plan.registrations:
                 r.module._parameters[r.attr] = params[r.index]
-            units.append(ReplicatedUnit(plan.module, plan.name, plan.registrations, group, params))
+            units.append(
+                ReplicatedUnit(plan.module, plan.name, plan.registrations, group, params, precision=precision)
+            )
         for r in plan.registrations:
             _retire(plan.params[r.index], r.fqn)
-    module._shardwise = Runtime(module, units, strategy, max_unsharded)
+    module._shardwise = Runtime(module, units, strategy, max_unsharded, precision)
     _install_optimizer_guard()
     return module
 

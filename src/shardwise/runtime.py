@@ -22,6 +22,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import events
 from .errors import ShardwiseError
+from .policies import MixedPrecision
 from .unit import ShardedUnit, Unit, UnitState
 
 
@@ -74,8 +75,12 @@ class _PostBackward(torch.autograd.Function):
 class Runtime:
     """Hook state of one sharded model: its units, phase, recorded orders and options."""
 
-    def __init__(self, root: nn.Module, units: list[Unit], strategy: str, max_unsharded: int):
+    def __init__(
+        self, root: nn.Module, units: list[Unit], strategy: str, max_unsharded: int, precision: MixedPrecision
+    ):
         self.root = root
+        self.precision = precision
+        self.grad_scaler = None  # a shardwise.GradScaler attaches itself here
         self.units = units  # innermost first, root last
         self.strategy = strategy
         self.max_unsharded = max_unsharded
@@ -95,7 +100,7 @@ class Runtime:
     # --- registration
     def _register(self, unit: Unit) -> None:
         m = unit.module
-        if isinstance(unit, ShardedUnit):  # no_shard needs no forward hooks, like DDP
+        if isinstance(unit, ShardedUnit) or unit.casts:  # plain no_shard needs none, like DDP
             self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._make_post_forward(unit)))
         for p, rg in zip(unit.full_params, _requires_grad(unit)):
@@ -116,6 +121,9 @@ class Runtime:
                 self.phase = Phase.FORWARD
                 self.forward_order = []
                 self._expose_shards(False)
+                if self.precision.param_dtype is not None:
+                    args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
+                    self._check_loss_scaling()
             unit.wait_unshard()
             if events.listeners:
                 events.emit("forward", unit.label, edge="begin")
@@ -127,7 +135,7 @@ class Runtime:
                 if any(t.requires_grad for t in flat):
                     marked = iter(_PostBackward.apply(self, unit, *flat))
                     return _replace_tensors((args, kwargs), marked)
-            return None
+            return args, kwargs
 
         return hook
 
@@ -148,6 +156,8 @@ class Runtime:
                 self.next_forward = _successors(self.forward_order)
                 if not grad:  # inference: nothing stays gathered
                     self.settle()
+                if self.precision.output_dtype is not None:
+                    return _cast_floats(output, self.precision.output_dtype)
             return None
 
         return hook
@@ -245,6 +255,15 @@ class Runtime:
             if isinstance(u, ShardedUnit):
                 u.expose_shards(exposed)
 
+    def _check_loss_scaling(self) -> None:
+        if self.precision.needs_loss_scaling and self.grad_scaler is None and torch.is_grad_enabled():
+            raise ShardwiseError(
+                "mixed_precision uses float16, whose gradients underflow without loss scaling: "
+                "create scaler = shardwise.GradScaler(model) after shard(), then "
+                "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(). "
+                "(bfloat16, 'bf16', needs no scaler.)"
+            )
+
     def _check_all_ran(self, ran: set[Unit]) -> None:
         """After the first step, every unit with parameters must have been called as a module."""
         if self.ran_once:
@@ -261,6 +280,12 @@ class Runtime:
                 "Choose another wrap policy, or call shardwise.register_forward_method() for "
                 "methods that use the parameters."
             )
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    """``obj`` with its floating-point tensors cast to ``dtype``."""
+    tensors = _tensors(obj, [])
+    return _replace_tensors(obj, iter(t.to(dtype) if t.is_floating_point() else t for t in tensors))
 
 
 def _requires_grad(unit: Unit) -> list[bool]:

@@ -5,6 +5,10 @@ its buffers: the persistent flat shard (the optimizer's parameters are views of 
 unsharded buffer (storage allocated only while gathered), and the gradient collective in flight.
 Transitions are verbs that check the state they start from.
 
+Mixed precision and offload live here too: the flat shard is the master copy (fp32, in host
+memory when offloaded); a gather first copies it to the compute device in the compute dtype,
+and gradients are reduced in the reduction dtype and land on the shards in the master dtype.
+
 Note [version counters]: the unsharded parameters are autograd leaves whose storage is
 refilled by every gather; the copy writes through ``.data`` aliases, which have their own
 version counters, so tensors that autograd saved in forward stay valid when backward gathers
@@ -23,6 +27,7 @@ from . import collectives as C
 from . import events
 from .errors import ShardwiseError
 from .layout import Layout
+from .policies import MixedPrecision
 
 
 class UnitState(Enum):
@@ -37,11 +42,21 @@ class NotGathered(torch.Tensor):
 
     _shardwise_name: str
     _shardwise_unit: str
-    _METADATA = {"shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "size", "dim", "numel"}
+    _METADATA = {
+        "shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "size", "dim", "numel",
+        "layout", "stride", "storage_offset", "is_contiguous", "is_floating_point", "element_size",
+        "itemsize", "nbytes", "untyped_storage", "data_ptr", "is_leaf", "grad", "grad_fn", "_base",
+        "is_sparse", "is_quantized", "is_nested", "is_cuda", "is_cpu", "register_hook",
+        "register_post_accumulate_grad_hook", "__hash__", "__eq__",
+    }
 
     @staticmethod
-    def make(shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str) -> NotGathered:
-        t = torch.Tensor._make_subclass(NotGathered, torch.empty(shape, dtype=dtype, device="meta"))
+    def make(shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str, requires_grad: bool) -> NotGathered:
+        # memory tools (e.g. torch's MemTracker) read parameters and hook them in pre-forward
+        # hooks that may run before the unit's own: metadata and hook registration work
+        t = torch.Tensor._make_subclass(
+            NotGathered, torch.empty(shape, dtype=dtype, device="meta"), requires_grad
+        )
         t._shardwise_name, t._shardwise_unit = name, unit
         return t
 
@@ -110,30 +125,45 @@ class ShardedUnit(Unit):
         layout: Layout,
         flat_shard: torch.Tensor,
         requires_grad: list[bool],
+        *,
+        device: torch.device,
+        precision: MixedPrecision,
+        offload: bool = False,
+        copy_stream=None,
     ):
         super().__init__(module, name, registrations, group)
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
         self.num_trainable = sum(requires_grad)
-        self.flat_shard = flat_shard
+        self.flat_shard = flat_shard  # the master copy; host memory when offloaded
+        self.device = device
+        self.compute_dtype = precision.compute_dtype(flat_shard.dtype)
+        self.reduce_dtype = precision.reduction_dtype(flat_shard.dtype)
+        self.offloaded = offload
+        # the gather reads the flat shard directly unless it must first move or change dtype
+        # (offloaded: always a copy, even where host and device are the same memory)
+        self._direct = not offload and self.compute_dtype == flat_shard.dtype
+        self._copy_stream = copy_stream  # CUDA side stream for host-to-device copies
         self.shard_params = [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.shard_views(flat_shard, self.rank), requires_grad)
         ]
-        self.flat_full = torch.empty(layout.unsharded_numel, dtype=flat_shard.dtype, device=flat_shard.device)
+        self.flat_full = torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         self._flat_full_data = self.flat_full.data  # see Note [version counters]
         self.full_params = [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
         ]
         self.not_gathered = [
-            NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label) for s in layout.slots
+            NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label, rg)
+            for s, rg in zip(layout.slots, requires_grad)
         ]
-        self.exposed = True  # between steps the modules hold the shards; during one, NotGathered
+        self.exposed = True  # between steps the modules hold the shard parameters
         self._free_full()
         self.state = UnitState.SHARDED
         self._gathered: torch.Tensor | None = None
+        self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
         self._reduce: C.Pending | None = None
         self._reduce_out: torch.Tensor | None = None
@@ -145,7 +175,8 @@ class ShardedUnit(Unit):
             r.module._parameters[r.attr] = params[r.index]
 
     def expose_shards(self, exposed: bool) -> None:
-        """Between steps (True) modules hold the shard parameters; during a step, placeholders."""
+        """Between steps (True) modules hold the shard parameters; during one, placeholders
+        that raise if used outside the unit's forward."""
         self.exposed = exposed
         if self.state is UnitState.SHARDED:
             self._swap(self.shard_params if exposed else self.not_gathered)
@@ -160,12 +191,20 @@ class ShardedUnit(Unit):
             return
         storage = self.flat_full.untyped_storage()
         storage.resize_(self.flat_full.numel() * self.flat_full.element_size())
-        self._gathered = (
-            self._flat_full_data
-            if self.world == 1
-            else torch.empty_like(self._flat_full_data)
-        )
-        self._gather = C.all_gather(self._gathered, self.flat_shard, self.group, self.label)
+        direct_out = self.world == 1
+        self._gathered = self._flat_full_data if direct_out else torch.empty_like(self._flat_full_data)
+        if self._copy_stream is not None:  # offload on CUDA: copy and gather off the compute stream
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._copy_stream):
+                self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
+                self._gather = C.all_gather(self._gathered, self._send, self.group, self.label)
+        else:
+            self._send = (
+                self.flat_shard
+                if self._direct
+                else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
+            )
+            self._gather = C.all_gather(self._gathered, self._send, self.group, self.label)
         self.state = UnitState.GATHERING
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gathered.numel() * self._gathered.element_size())
@@ -176,9 +215,12 @@ class ShardedUnit(Unit):
             self.unshard()
         if self.state is UnitState.GATHERING:
             self._gather.wait()
+            if self._copy_stream is not None:
+                torch.cuda.current_stream().wait_stream(self._copy_stream)
+                self._gathered.record_stream(torch.cuda.current_stream())
             if self.world > 1:
                 self.layout.unpack(self._gathered, self._flat_full_data)
-            self._gathered = self._gather = None
+            self._gathered = self._send = self._gather = None
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
             if events.listeners:
@@ -196,7 +238,11 @@ class ShardedUnit(Unit):
                 events.emit("reshard", self.label)
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter this unit's full gradients in one collective (no wait)."""
+        """Reduce-scatter this unit's full gradients in one collective (no wait).
+
+        In a 16-bit reduction dtype the gradients are divided by N before the sum so that it
+        cannot overflow; otherwise after it, which keeps fp32 results identical to one process.
+        """
         if self.reduce_issued or self.num_trainable == 0:
             self.reduce_issued = True
             return
@@ -206,6 +252,11 @@ class ShardedUnit(Unit):
                 grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
                 p.grad = None
         full = self.grad_layout.pack(grads)
+        if full.dtype != self.reduce_dtype:
+            full = full.to(self.reduce_dtype)
+        self._predivided = self.reduce_dtype.itemsize < 4
+        if self._predivided:
+            full.div_(self.world)
         if self.world == 1:
             self._reduce_out, self._reduce = full.view(-1), None
         else:
@@ -216,12 +267,19 @@ class ShardedUnit(Unit):
             events.emit("reduce_issue", self.label, bytes=full.numel() * full.element_size())
 
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters."""
+        """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters
+        (in the shards' dtype, in host memory when offloaded)."""
         if self._reduce_out is None:
             return
         if self._reduce is not None:
             self._reduce.wait()
-        out = self._reduce_out.div_(self.world)
+        out = self._reduce_out
+        if not self._predivided:
+            out.div_(self.world)
+        master = self.flat_shard
+        if self.offloaded or out.dtype != master.dtype or out.device != master.device:
+            host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
+            out = host.copy_(out, non_blocking=master.is_pinned())
         views = self.grad_layout.shard_views(out, self.rank)
         shards = [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
         for p, g in zip(shards, views):
@@ -238,9 +296,10 @@ class ShardedUnit(Unit):
 
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:
-        """The full parameters as fresh tensors (one blocking all-gather)."""
-        gathered = torch.empty(self.layout.unsharded_numel, dtype=self.flat_shard.dtype, device=self.flat_shard.device)
-        C.all_gather(gathered, self.flat_shard, self.group, self.label).wait()
+        """The full parameters in the master dtype, as fresh tensors (one blocking all-gather)."""
+        send = self.flat_shard.to(self.device)
+        gathered = torch.empty(self.layout.unsharded_numel, dtype=send.dtype, device=self.device)
+        C.all_gather(gathered, send, self.group, self.label).wait()
         full = torch.empty_like(gathered)
         self.layout.unpack(gathered, full)
         return self.layout.unsharded_views(full)
@@ -253,26 +312,64 @@ class ShardedUnit(Unit):
 
 
 class ReplicatedUnit(Unit):
-    """A unit whose parameters stay whole on every rank (no_shard): gradients are all-reduced."""
+    """A unit whose parameters stay whole on every rank (no_shard): gradients are all-reduced.
 
-    state = UnitState.UNSHARDED
+    Without mixed precision the module computes on the parameters themselves and needs no
+    forward hooks (like DDP). With it, "unshard" casts them into compute copies, which get
+    the gradients; those are all-reduced in the reduction dtype onto the parameters.
+    """
 
-    def __init__(self, module: nn.Module, name: str, registrations: list[Registration], group, params: list[nn.Parameter]):
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        registrations: list[Registration],
+        group,
+        params: list[nn.Parameter],
+        *,
+        precision: MixedPrecision,
+    ):
         super().__init__(module, name, registrations, group)
         self.params = params
-        self.full_params = params
-        self.trainable = [p for p in params if p.requires_grad]
+        storage = params[0].dtype if params else torch.float32
+        self.compute_dtype = precision.compute_dtype(storage)
+        self.reduce_dtype = precision.reduction_dtype(storage)
+        self.casts = self.compute_dtype != storage
+        if self.casts:
+            self.full_params = [
+                nn.Parameter(torch.empty_like(p, dtype=self.compute_dtype), requires_grad=p.requires_grad)
+                for p in params
+            ]
+            self.state = UnitState.SHARDED
+        else:
+            self.full_params = params
+            self.state = UnitState.UNSHARDED
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.num_trainable = len(self.trainable)
         self._reduce: C.Pending | None = None
         self._bucket: torch.Tensor | None = None
 
+    def _swap(self, params) -> None:
+        for r in self.registrations:
+            r.module._parameters[r.attr] = params[r.index]
+
     def unshard(self) -> None:
-        pass
+        if self.state is UnitState.SHARDED:
+            with torch.no_grad():
+                for c, p in zip(self.full_params, self.params):
+                    c.data.copy_(p)
+            self._swap(self.full_params)
+            self.state = UnitState.UNSHARDED
 
     def wait_unshard(self) -> None:
-        pass
+        self.unshard()
 
     def reshard(self) -> None:
+        if self.casts and self.state is UnitState.UNSHARDED:
+            self._swap(self.params)
+            self.state = UnitState.SHARDED
+
+    def expose_shards(self, exposed: bool) -> None:
         pass
 
     def reduce_grads(self) -> None:
@@ -280,10 +377,15 @@ class ReplicatedUnit(Unit):
         if self.reduce_issued or self.num_trainable == 0:
             self.reduce_issued = True
             return
-        for p in self.trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._bucket = torch.cat([p.grad.reshape(-1) for p in self.trainable])
+        grads = []
+        for i in self.trainable:
+            c = self.full_params[i]
+            grads.append(c.grad.reshape(-1) if c.grad is not None else torch.zeros(c.numel(), dtype=c.dtype, device=c.device))
+            if self.casts:
+                c.grad = None
+        self._bucket = torch.cat(grads)
+        if self._bucket.dtype != self.reduce_dtype:
+            self._bucket = self._bucket.to(self.reduce_dtype)
         if self.world > 1:
             self._reduce = C.all_reduce(self._bucket, self.group, self.label)
         self.reduce_issued = True
@@ -296,8 +398,16 @@ class ReplicatedUnit(Unit):
         if self._reduce is not None:
             self._reduce.wait()
         self._bucket.div_(self.world)
-        grads = [p.grad for p in self.trainable]
-        torch._foreach_copy_(grads, [b.view_as(g) for b, g in zip(self._bucket.split([g.numel() for g in grads]), grads)])
+        params = [self.params[i] for i in self.trainable]
+        pieces = self._bucket.split([p.numel() for p in params])
+        for p, b in zip(params, pieces):
+            b = b.view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = b
+            elif self.casts:  # the compute copies' gradients add to the parameters' own
+                p.grad += b
+            else:  # the parameters' own gradients, now averaged
+                p.grad.copy_(b)
         self._reduce = self._bucket = None
         if events.listeners:
             events.emit("reduce_done", self.label)

@@ -78,3 +78,35 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
         "b": b,
         "note": notes[strategy],
     }
+
+
+def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, show: bool = True) -> list[dict]:
+    """Per unit: the dtype of storage (shards), compute (gathered), communication (gather),
+    reduction (gradients) and optimizer state. Printed when ``show``; returned as rows."""
+    rows = []
+    for u in units(model):
+        storage = u.flat_shard.dtype if isinstance(u, ShardedUnit) else (u.params[0].dtype if u.params else None)
+        params = u.shard_params if isinstance(u, ShardedUnit) else u.params
+        state = {
+            t.dtype for p in params if optimizer is not None for t in optimizer.state.get(p, {}).values()
+            if isinstance(t, torch.Tensor) and t.numel() > 1
+        }
+        rows.append({
+            "unit": u.label,
+            "storage": _short(storage),
+            "compute": _short(u.compute_dtype),
+            "communication": _short(u.compute_dtype) if isinstance(u, ShardedUnit) else "-",
+            "reduction": _short(u.reduce_dtype),
+            "optimizer_state": ",".join(sorted(_short(d) for d in state)) or _short(storage),
+        })
+    if show and rows:
+        cols = list(rows[0])
+        widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+        print("  ".join(c.ljust(widths[c]) for c in cols))
+        for r in rows:
+            print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    return rows
+
+
+def _short(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.") if dtype is not None else "-"

@@ -1,0 +1,55 @@
+"""Precision policy: which dtype each tensor of a unit is stored, computed, sent and reduced in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ShardwiseError
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Shards (and so the optimizer's parameters and state) stay in their own dtype, the
+    master copy; each unit is gathered in ``param_dtype``, computes in it, and reduces its
+    gradients in ``reduce_dtype`` before they land on the shards in the shards' dtype.
+
+    param_dtype: gather and compute dtype (None: the parameters' own dtype).
+    reduce_dtype: gradient reduction dtype (None: ``param_dtype``).
+    buffer_dtype: dtype buffers are kept in (None: unchanged).
+    output_dtype: the root module's floating-point outputs are cast to it (None: unchanged).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+
+    @staticmethod
+    def of(spec: MixedPrecision | str | None) -> MixedPrecision:
+        """Resolve a policy or a shorthand: "bf16" / "fp16" (16-bit compute, fp32 reduction)."""
+        if isinstance(spec, MixedPrecision):
+            return spec
+        shorthands = {
+            None: MixedPrecision(),
+            "none": MixedPrecision(),
+            "fp32": MixedPrecision(),
+            "bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "fp16": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        }
+        if spec not in shorthands:
+            raise ShardwiseError(
+                f"mixed_precision={spec!r}: use 'bf16', 'fp16', None or a shardwise.MixedPrecision"
+            )
+        return shorthands[spec]
+
+    def compute_dtype(self, storage: torch.dtype) -> torch.dtype:
+        return self.param_dtype or storage
+
+    def reduction_dtype(self, storage: torch.dtype) -> torch.dtype:
+        return self.reduce_dtype or self.param_dtype or storage
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return torch.float16 in (self.param_dtype, self.reduce_dtype)
