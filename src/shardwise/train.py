@@ -33,7 +33,7 @@ class TrainConfig:
     strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard
     wrap: str = "block"  # block (one unit per transformer block) | size | none (root only)
     steps: int = 300  # optimizer steps
-    batch_size: int = 8  # sequences per rank per step
+    batch_size: int = 4  # sequences per rank per step
     model_size: str = "small"  # tiny | small | medium | large
     seq_len: int = 64  # tokens per sequence
     lr: float = 2e-3  # peak learning rate (AdamW, warm-up then cosine decay)
