@@ -8,20 +8,24 @@ every rank held and sent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import socket
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import api, groups
+from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
-from .tools.accounting import held_bytes, theory_bytes_per_step
+from .scaler import GradScaler
+from .tools.accounting import dtype_table, held_bytes, theory_bytes_per_step
 from .wrap import by_class, by_size
 
 
@@ -39,6 +43,9 @@ class TrainConfig:
     lr: float = 2e-3  # peak learning rate (AdamW, warm-up then cosine decay)
     seed: int = 0
     log_every: int = 10  # steps between progress updates
+    mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 uses shardwise.GradScaler)
+    cpu_offload: bool = False  # shards, gradients and optimizer state in host memory
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -54,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--log-every", type=int, default=defaults.log_every)
+    p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=defaults.mixed_precision)
+    p.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in host memory")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
     a = p.parse_args(argv)
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -105,8 +115,23 @@ def worker(cfg: TrainConfig) -> dict:
     with torch.device("meta"):
         model = GPT(mcfg)
     wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[cfg.wrap]
-    api.shard(model, wrap=wrap, strategy=cfg.strategy)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    api.shard(
+        model,
+        wrap=wrap,
+        strategy=cfg.strategy,
+        mixed_precision=cfg.mixed_precision,
+        cpu_offload=cfg.cpu_offload,
+    )
+    if cfg.activation_checkpointing:
+        checkpoint_activations(model, by_class(Block))
+    scaler = GradScaler(model) if cfg.mixed_precision == "fp16" else None
+    # offloaded shards step on the CPU: the fused CPU kernel of AdamW does it in one pass
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
+        **({"fused": True} if cfg.cpu_offload else {}),
+    )
+    if rank == 0:
+        dtype_table(model)
     bar = Progress(cfg.steps, enabled=rank == 0)
     tokens_per_step = cfg.batch_size * world * cfg.seq_len
     step_times, first_loss, loss = [], None, float("nan")
@@ -119,10 +144,19 @@ def worker(cfg: TrainConfig) -> dict:
         x, y = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        out = model(x, y)
-        out.backward()
-        api.clip_grad_norm_(model, 1.0)
-        opt.step()
+        tracker = _memory_tracker(model, opt) if step == cfg.steps - 2 else None
+        with tracker or contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore" if tracker else "default")
+            out = model(x, y)
+            (scaler.scale(out) if scaler else out).backward()
+            if scaler:
+                scaler.unscale_(opt)
+            api.clip_grad_norm_(model, 1.0)
+            scaler.step(opt) if scaler else opt.step()
+            if scaler:
+                scaler.update()
+        if tracker is not None:
+            peak = _peak_by_category(tracker)
         if step == cfg.steps - 1:
             held = held_bytes(model, opt)  # with this step's gradients still present
         opt.zero_grad(set_to_none=True)
@@ -146,6 +180,7 @@ def worker(cfg: TrainConfig) -> dict:
         "all_gather": per_step["all_gather"],
         "reduce_scatter": per_step["reduce_scatter"],
         "all_reduce": per_step["all_reduce"],
+        "peak": peak,
         "step_ms": 1000 * sorted(step_times[warmup:] or step_times)[len(step_times[warmup:] or step_times) // 2],
     }
     rows = [None] * world
@@ -164,6 +199,25 @@ def worker(cfg: TrainConfig) -> dict:
         print(render_summary(summary), flush=True)
     dist.barrier()
     return summary
+
+
+def _memory_tracker(model, opt):
+    """torch's MemTracker for one step: peak memory by category (parameters, gradients,
+    activations, optimizer state, temporaries) on every device."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns about optimizer state entries that are None
+        tracker.track_external(model, opt)
+    return tracker
+
+
+def _peak_by_category(tracker) -> dict[str, dict[str, int]]:
+    out = {}
+    for dev, cats in tracker.get_tracker_snapshot("peak").items():
+        out[str(dev)] = {getattr(k, "value", str(k)): v for k, v in cats.items()}
+    return out
 
 
 class Progress:
@@ -211,6 +265,20 @@ def render_summary(s: dict) -> str:
             f"  rank {r['rank']:<24}{_mib(r['params'])} {_mib(r['grads'])} {_mib(r['optimizer'])}   "
             f"{_mib(total)}    {_mib(ddp)}"
         )
+    lines += ["", "peak memory of one step per rank (MiB, torch MemTracker)   params    grads  activations  optimizer   temp    total"]
+    for r in rows:
+        for dev, c in sorted(r["peak"].items()):
+            if dev == "meta" or not c.get("Total"):  # placeholders of sharded units hold nothing
+                continue
+            lines.append(
+                f"  rank {r['rank']} {dev:<50}{_mib(c.get('Parameter', 0))} {_mib(c.get('Gradient', 0))}"
+                f"     {_mib(c.get('Activation', 0))}   {_mib(c.get('Optstate', 0))} {_mib(c.get('Temp', 0))} {_mib(c['Total'])}"
+            )
+    cfg = s["config"]
+    lines.append(
+        f"  mixed precision {cfg['mixed_precision']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
+        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}"
+    )
     lines += [
         "",
         "bytes sent per rank per step (MiB)   all-gather  reduce-scatter  all-reduce   total   step ms",

@@ -57,27 +57,35 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
 
 def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
-    """Bytes per rank per step that the strategy moves in theory, for psi parameters of b bytes
-    on N ranks: full shard 3 psi b (N-1)/N, shard_grad_op and DDP 2 psi b (N-1)/N."""
+    """Bytes per rank per step that the strategy moves in theory, for psi parameters on N ranks
+    with b bytes per element sent: full shard 3 psi b (N-1)/N (two gathers, one
+    reduce-scatter), shard_grad_op and DDP 2 psi b (N-1)/N. With mixed precision the gathers
+    send b_gather and the reduction b_reduce bytes per element."""
     full = _full_numel(model)
     psi = sum(full.values())
-    b = next(iter(full)).element_size() if full else 4
-    group = units(model)[0].group
-    n = dist.get_world_size(group)
-    factor = 3 if strategy == "full_shard" else 2
+    us = units(model)
+    n = dist.get_world_size(us[0].group)
+    b_gather = us[0].compute_dtype.itemsize
+    b_reduce = us[0].reduce_dtype.itemsize
+    gathers = {"full_shard": 2, "shard_grad_op": 1, "no_shard": 0}[strategy]
+    if strategy == "no_shard":
+        total, formula = 2 * psi * b_reduce * (n - 1) // n, "2*psi*b*(N-1)/N"
+        b = b_reduce
+    elif b_gather == b_reduce:
+        b = b_gather
+        total = (gathers + 1) * psi * b * (n - 1) // n
+        formula = f"{gathers + 1}*psi*b*(N-1)/N"
+    else:
+        b = f"{b_gather} (gather), {b_reduce} (reduce)"
+        total = (gathers * b_gather + b_reduce) * psi * (n - 1) // n
+        formula = f"({gathers}*b_gather + b_reduce)*psi*(N-1)/N"
     notes = {
         "full_shard": "measured is lower by the root unit's backward gather (it stays gathered "
         "from forward to backward) and higher by padding rows",
         "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
         "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
     }
-    return {
-        "formula": f"{factor}*psi*b*(N-1)/N",
-        "bytes": factor * psi * b * (n - 1) // n,
-        "psi": psi,
-        "b": b,
-        "note": notes[strategy],
-    }
+    return {"formula": formula, "bytes": total, "psi": psi, "b": b, "note": notes[strategy]}
 
 
 def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, show: bool = True) -> list[dict]:
