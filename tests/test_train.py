@@ -16,7 +16,8 @@ def test_shardwise_train_runs_and_the_loss_falls():
     assert last < first - 1.0, text  # byte-level loss starts near ln(256) = 5.5
     assert "memory held per rank" in text and "DDP total" in text
     assert "theory: 3*psi*b*(N-1)/N" in text
-    assert text.count("  rank ") == 4  # both ranks in both tables
+    assert text.count("  rank ") == 6  # both ranks in all three tables
+    assert "peak memory of one step" in text
 
 
 def test_cli_lists_its_commands():
