@@ -217,3 +217,31 @@ def meta_init(size):
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_meta_init_equals_eager(pools, world_size):
     assert all(pools(world_size).run(meta_init, "tiny"))
+
+
+# --- whole parameters outside forward: other methods, inspection, edits
+def other_methods():
+    from nets import Layer
+
+    ref = make("mlp")
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "mlp"))
+    layer = model.layers[0]
+    layer.score = lambda x: (x @ layer.lin.weight.T).sum(-1)  # a method using the weight directly
+    shardwise.register_forward_method(layer, "score")
+    x = torch.randn(5, 13)
+    with torch.no_grad():
+        got = layer.score(x)
+        want = (x @ ref.layers[0].lin.weight.T).sum(-1)
+    assert shardwise.unit_states(model)["layers.0"] == "SHARDED"  # freed again afterwards
+    with shardwise.gathered(model, writeback=True):
+        shapes_ok = model.layers[0].lin.weight.shape == (17, 13)
+        with torch.no_grad():
+            model.out.bias.fill_(0.5)
+    full = shardwise.full_state_dict(model, rank0_only=False)
+    return torch.allclose(got, want, atol=1e-6), shapes_ok, torch.equal(full["out.bias"], torch.full((3,), 0.5))
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_other_methods_and_gathered(pools, world_size):
+    for method_ok, shapes_ok, edit_kept in pools(world_size).run(other_methods):
+        assert method_ok and shapes_ok and edit_kept
