@@ -74,7 +74,7 @@ def comm_per_step(strategy, steps=3):
             expected["all_gather"] += gathers * (u.layout.unsharded_numel * 4) * (n - 1) // n
             expected["reduce_scatter"] += (u.grad_layout.unsharded_numel * 4) * (n - 1) // n
         elif isinstance(u, ReplicatedUnit) and u.num_trainable:
-            numel = sum(p.numel() for p in u.trainable)
+            numel = sum(u.params[i].numel() for i in u.trainable)
             expected["all_reduce"] += 2 * (numel * 4) * (n - 1) // n
     measured = {k: stats[k].bytes // steps for k in expected}
     sharded = [u for u in shardwise.units(model) if isinstance(u, ShardedUnit)]

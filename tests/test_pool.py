@@ -131,10 +131,11 @@ def test_workers_have_a_launcher_environment(pools) -> None:
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
 
 
-def test_code_can_rejoin_through_env(pools) -> None:
-    pool = pools(2)
-    assert pool.run(reinit_from_env, pool.group_timeout) == [2.0, 2.0]
-    assert pool.run(rank_and_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+def test_code_can_rejoin_through_env() -> None:
+    # a pool of its own: leaving and re-joining the group must not disturb the shared pools
+    with WorkerPool(2, timeout=60) as pool:
+        assert pool.run(reinit_from_env, pool.group_timeout) == [2.0, 2.0]
+        assert pool.run(rank_and_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_tensors_come_back(pools) -> None:
