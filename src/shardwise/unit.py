@@ -149,7 +149,14 @@ class ShardedUnit(Unit):
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.shard_views(flat_shard, self.rank), requires_grad)
         ]
-        self.flat_full = torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
+        # one rank, no cast, no offload: the shard is the whole parameter, so the full
+        # parameters are views of the flat shard itself and gathering is only the swap
+        self._alias = self.world == 1 and self._direct
+        self.flat_full = (
+            flat_shard
+            if self._alias
+            else torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
+        )
         self._flat_full_data = self.flat_full.data  # see Note [version counters]
         self.full_params = [
             nn.Parameter(v, requires_grad=rg)
@@ -167,6 +174,7 @@ class ShardedUnit(Unit):
         self._gather: C.Pending | None = None
         self._reduce: C.Pending | None = None
         self._reduce_out: torch.Tensor | None = None
+        self._local_grads: list[torch.Tensor] | None = None
         self._swap(self.shard_params)
 
     # --- parameters as the module sees them
@@ -182,12 +190,16 @@ class ShardedUnit(Unit):
             self._swap(self.shard_params if exposed else self.not_gathered)
 
     def _free_full(self) -> None:
-        self.flat_full.untyped_storage().resize_(0)
+        if not self._alias:
+            self.flat_full.untyped_storage().resize_(0)
 
     # --- forward/backward transitions
     def unshard(self) -> None:
         """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING."""
         if self.state is not UnitState.SHARDED:
+            return
+        if self._alias:
+            self.state = UnitState.GATHERING
             return
         storage = self.flat_full.untyped_storage()
         storage.resize_(self.flat_full.numel() * self.flat_full.element_size())
@@ -214,7 +226,8 @@ class ShardedUnit(Unit):
         if self.state is UnitState.SHARDED:
             self.unshard()
         if self.state is UnitState.GATHERING:
-            self._gather.wait()
+            if self._gather is not None:
+                self._gather.wait()
             if self._copy_stream is not None:
                 torch.cuda.current_stream().wait_stream(self._copy_stream)
                 self._gathered.record_stream(torch.cuda.current_stream())
@@ -251,6 +264,11 @@ class ShardedUnit(Unit):
             if rg:
                 grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
                 p.grad = None
+        if self.world == 1 and self._direct:  # nothing to reduce: the gradients are the shards'
+            self._local_grads = grads
+            self._reduce_out = self._reduce = None
+            self.reduce_issued = True
+            return
         full = self.grad_layout.pack(grads)
         if full.dtype != self.reduce_dtype:
             full = full.to(self.reduce_dtype)
@@ -269,6 +287,16 @@ class ShardedUnit(Unit):
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters
         (in the shards' dtype, in host memory when offloaded)."""
+        shards = [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+        if self._local_grads is not None:
+            for p, g in zip(shards, self._local_grads):
+                g = g.view(p.shape)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+            self._local_grads = None
+            return
         if self._reduce_out is None:
             return
         if self._reduce is not None:
@@ -281,7 +309,6 @@ class ShardedUnit(Unit):
             host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
             out = host.copy_(out, non_blocking=master.is_pinned())
         views = self.grad_layout.shard_views(out, self.rank)
-        shards = [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
         for p, g in zip(shards, views):
             if p.grad is None:
                 p.grad = g
