@@ -184,7 +184,7 @@ def materialize(
                 module._parameters[a] = p
         fresh = [(p, temps[a]) for a, p in own if p not in done]
         if fresh:
-            values = broadcast_from_rank0([t for _, t in fresh], device, None if group is None else group, mname or "<root>")
+            values = broadcast_from_rank0([t for _, t in fresh], device, group, mname or "<root>")
             on_values([p for p, _ in fresh], values)
             done.update(p for p, _ in fresh)
         if bufs:

@@ -106,12 +106,6 @@ class Unit:
     def is_root(self) -> bool:
         return self.name == ""
 
-    def _assert_state(self, *expected: UnitState) -> None:
-        assert self.state in expected, (
-            f"rank {self.rank}: unit '{self.label}' is {self.state.name}, expected "
-            f"{' or '.join(s.name for s in expected)}"
-        )
-
 
 class ShardedUnit(Unit):
     """A unit whose parameters are sharded over the group (full_shard / shard_grad_op)."""
