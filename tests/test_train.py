@@ -1,5 +1,6 @@
 """The main job end to end: launch, train, report (the tiny GPT, so it stays quick)."""
 
+import shutil
 import subprocess
 import sys
 
@@ -23,3 +24,16 @@ def test_shardwise_train_runs_and_the_loss_falls():
 def test_cli_lists_its_commands():
     out = subprocess.run([sys.executable, "-m", "shardwise", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "train" in out.stdout
+
+
+def test_train_resumes_from_the_latest_checkpoint(tmp_path):
+    args = [sys.executable, "-m", "shardwise", "train", "--model-size", "tiny", "--nproc", "2",
+            "--seq-len", "32", "--steps", "8", "--log-every", "8", "--checkpoint-dir", str(tmp_path)]
+    first = subprocess.run(args + ["--save-every", "4"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(tmp_path / "step-00000008")  # as if the job died after step 4's checkpoint
+    again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'step-00000004'} at step 4; RNG restored" in again.stdout
+    final = lambda out: out.split("\nloss ")[1].split()[2]  # noqa: E731
+    assert final(again.stdout) == final(first.stdout)

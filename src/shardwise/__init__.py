@@ -18,6 +18,7 @@ from .api import (
     unit_states,
     units,
 )
+from .checkpoint import CheckpointError, CheckpointInfo, SaveHandle, convert, latest, load, load_full, save
 from .checkpointing import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
@@ -40,6 +41,14 @@ __all__ = [
     "units",
     "MixedPrecision",
     "GradScaler",
+    "save",
+    "load",
+    "latest",
+    "load_full",
+    "convert",
+    "SaveHandle",
+    "CheckpointInfo",
+    "CheckpointError",
     "checkpoint_activations",
     "dtype_table",
     "held_bytes",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -44,6 +45,7 @@ def shard(
     mixed_precision: MixedPrecision | str | None = None,
     cpu_offload: bool = False,
     max_unsharded: int = 2,
+    init_from: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
 
@@ -62,6 +64,10 @@ def shard(
     ``MixedPrecision``; shards and optimizer state stay in the parameters' dtype. fp16 needs a
     ``shardwise.GradScaler``. cpu_offload: shards, their gradients and so the optimizer state
     live in host memory; each unit is copied to the device just before its gather.
+
+    init_from: a standard safetensors model (a ``model.safetensors`` file, a Hugging Face
+    index, or a directory holding either) whose values replace the initial ones, each rank
+    reading only its rows (``shardwise.load_full``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
@@ -146,6 +152,10 @@ def shard(
             _retire(plan.params[r.index], r.fqn)
     module._shardwise = Runtime(module, units, strategy, max_unsharded, precision)
     _install_optimizer_guard()
+    if init_from is not None:
+        from .checkpoint import load_full  # checkpoint builds on this module
+
+        load_full(module, init_from)
     return module
 
 

@@ -6,6 +6,7 @@ import sys
 
 COMMANDS = {
     "train": ("shardwise.train", "train the built-in GPT with shardwise and report memory and bytes sent"),
+    "convert": ("shardwise.checkpoint.cli", "write a checkpoint as a standard safetensors model (offline)"),
 }
 
 

@@ -3,6 +3,7 @@ every rank held and sent.
 
     shardwise train                       # 2 local ranks on CPU (Gloo), one per GPU on CUDA (NCCL)
     torchrun --nproc_per_node 4 -m shardwise train --strategy shard_grad_op
+    shardwise train --save-every 100 --resume   # checkpoints in ./checkpoints; rerun to continue
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from . import api, groups
+from . import api, checkpoint, groups
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .scaler import GradScaler
@@ -46,6 +47,9 @@ class TrainConfig:
     mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 uses shardwise.GradScaler)
     cpu_offload: bool = False  # shards, gradients and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    save_every: int = 0  # optimizer steps between checkpoints (0: none)
+    checkpoint_dir: str = "checkpoints"  # where checkpoints are written and --resume looks
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -64,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=defaults.mixed_precision)
     p.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
+    p.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (0: none)")
+    p.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir, help="where checkpoints go and --resume looks")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint, if any")
     a = p.parse_args(argv)
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -130,13 +137,19 @@ def worker(cfg: TrainConfig) -> dict:
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
         **({"fused": True} if cfg.cpu_offload else {}),
     )
+    start = _resume(cfg, model, opt, scaler, world) if cfg.resume else 0
+    if start >= cfg.steps:
+        if rank == 0:
+            print(f"already trained {start} steps (--steps {cfg.steps}): nothing to do", flush=True)
+        return {}
     if rank == 0:
         dtype_table(model)
     bar = Progress(cfg.steps, enabled=rank == 0)
     tokens_per_step = cfg.batch_size * world * cfg.seq_len
     step_times, first_loss, loss = [], None, float("nan")
-    warmup = min(5, cfg.steps // 4)
-    for step in range(cfg.steps):
+    warmup = start + min(5, (cfg.steps - start) // 4)
+    saving = None
+    for step in range(start, cfg.steps):
         if step == warmup:
             reset_comm_stats()
         t0 = time.perf_counter()
@@ -144,7 +157,7 @@ def worker(cfg: TrainConfig) -> dict:
         x, y = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        tracker = _memory_tracker(model, opt) if step == cfg.steps - 2 else None
+        tracker = _memory_tracker(model, opt) if step == max(start, cfg.steps - 2) else None
         with tracker or contextlib.nullcontext(), warnings.catch_warnings():
             warnings.simplefilter("ignore" if tracker else "default")
             out = model(x, y)
@@ -170,10 +183,19 @@ def worker(cfg: TrainConfig) -> dict:
             first_loss = loss if first_loss is None else first_loss
             recent = step_times[-cfg.log_every :]
             bar.update(step + 1, loss, tokens_per_step / (sum(recent) / len(recent)))
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            # written in the background while training goes on; the next save waits for it
+            saving = checkpoint.save(
+                os.path.join(cfg.checkpoint_dir, f"step-{step + 1:08d}"), model, opt,
+                step=step + 1, extra=_resume_state(cfg, world, scaler), async_=True,
+            )
+    if saving is not None:
+        saving.wait()
     bar.close()
     measured = max(1, cfg.steps - warmup)
     stats = comm_stats()
     per_step = {k: v.bytes // measured for k, v in stats.items()}
+    timed = step_times[warmup - start :] or step_times
     row = {
         "rank": rank,
         **held,
@@ -181,7 +203,7 @@ def worker(cfg: TrainConfig) -> dict:
         "reduce_scatter": per_step["reduce_scatter"],
         "all_reduce": per_step["all_reduce"],
         "peak": peak,
-        "step_ms": 1000 * sorted(step_times[warmup:] or step_times)[len(step_times[warmup:] or step_times) // 2],
+        "step_ms": 1000 * sorted(timed)[len(timed) // 2],
     }
     rows = [None] * world
     dist.all_gather_object(rows, row)
@@ -193,12 +215,45 @@ def worker(cfg: TrainConfig) -> dict:
         "final_loss": loss,
         "rows": rows,
         "theory": theory_bytes_per_step(model, cfg.strategy),
-        "tokens_per_s": tokens_per_step / (sum(step_times[warmup:]) / measured),
+        "tokens_per_s": tokens_per_step / (sum(step_times[warmup - start :]) / measured),
     }
     if rank == 0:
         print(render_summary(summary), flush=True)
     dist.barrier()
     return summary
+
+
+def _resume_state(cfg: TrainConfig, world: int, scaler: GradScaler | None) -> dict:
+    """What a checkpoint needs besides tensors: the data stream's definition (a batch is a
+    pure function of step, seed, global batch and sequence length) and the loss scaler."""
+    return {
+        "data": {"seed": cfg.seed, "global_batch": cfg.batch_size * world, "seq_len": cfg.seq_len},
+        "model_size": cfg.model_size,
+        "scaler": scaler.state_dict() if scaler else None,
+    }
+
+
+def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, world: int) -> int:
+    """Load the newest complete checkpoint in ``cfg.checkpoint_dir`` (model, optimizer, each
+    rank's RNG, the loss scaler); return the step to continue from (0 when there is none)."""
+    path = checkpoint.latest(cfg.checkpoint_dir)
+    if path is None:
+        if dist.get_rank() == 0:
+            print(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; starting at step 0", flush=True)
+        return 0
+    info = checkpoint.load(path, model, opt)
+    saved, now = info.extra, _resume_state(cfg, world, scaler)
+    if saved["data"] != now["data"]:
+        raise SystemExit(
+            f"--resume: {path} was trained on data {saved['data']}, this run would read {now['data']}; "
+            "keep --seed and --seq-len, and set --batch-size so that batch size x ranks is the same"
+        )
+    if scaler is not None and saved["scaler"] is not None:
+        scaler.load_state_dict(saved["scaler"])
+    if dist.get_rank() == 0:
+        rng = "restored" if info.rng_restored else f"not restored (saved at {info.world_size} ranks)"
+        print(f"resumed from {path} at step {info.step}; RNG {rng}", flush=True)
+    return info.step
 
 
 def _memory_tracker(model, opt):

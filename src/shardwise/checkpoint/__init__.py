@@ -1,0 +1,26 @@
+"""Sharded checkpoints: every rank writes its own rows, any world size reads them back.
+
+    shardwise.save("ckpt/step-00100", model, opt, step=100, extra={"data": pos})
+    info = shardwise.load(shardwise.latest("ckpt"), model, opt)   # any world size, wrap, strategy
+
+Modules: files (safetensors I/O, checksums), index (the directory format), commit (crash
+safety), state (the live model and optimizer by name and rows), saving, loading, conversion,
+cli (``shardwise convert``). The format and protocol: docs/checkpoints.md.
+"""
+
+from .commit import latest
+from .conversion import convert
+from .index import CheckpointError
+from .loading import CheckpointInfo, load, load_full
+from .saving import SaveHandle, save
+
+__all__ = [
+    "save",
+    "load",
+    "latest",
+    "load_full",
+    "convert",
+    "SaveHandle",
+    "CheckpointInfo",
+    "CheckpointError",
+]

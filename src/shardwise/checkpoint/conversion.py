@@ -1,0 +1,106 @@
+"""``convert``: a shardwise checkpoint to a standard safetensors model, offline.
+
+No process group is needed, and memory stays bounded by one read chunk (8 MiB): the output
+header is known up front from the index, and each tensor's bytes are copied from the ranks'
+files, piece by piece in row order, with plain reads (no file is mapped into memory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+from . import files
+from .index import CheckpointError, TensorRecord, read_index
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def convert(
+    ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30
+) -> list[Path]:
+    """Write the parameters and buffers of checkpoint ``ckpt`` into the directory ``out`` as a
+    standard safetensors model under the original names and dtypes; return the files written.
+
+    The layout is what Hugging Face loaders read: one ``model.safetensors`` when the tensors
+    fit in ``max_shard_bytes``, else ``model-00001-of-0000N.safetensors`` files (each up to
+    ``max_shard_bytes``, or one tensor if larger) and ``model.safetensors.index.json``. A tied
+    parameter is stored once, under its first name. Every input file is checked against its
+    CRC-32 first.
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    index = read_index(ckpt)
+    headers = {}
+    for name, meta in index.files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
+        size, crc = files.checksum(path)
+        if (size, crc) != (meta["bytes"], meta["crc32"]):
+            raise CheckpointError(
+                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
+                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
+            )
+        headers[name] = files.header(path)
+    tensors = [t for t in index.tensors.values() if t.kind in ("param", "buffer")]
+    shards: list[list[TensorRecord]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + _nbytes(t) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += _nbytes(t)
+    n = len(shards)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        fds = {}
+        for f in index.files:
+            fds[f] = os.open(ckpt / f, os.O_RDONLY)
+            stack.callback(os.close, fds[f])
+        for name, shard in zip(names, shards):
+            entries = [
+                files.Entry(t.name, t.dtype, t.shape, _bytes_of(t, fds, headers)) for t in shard
+            ]
+            files.write(out / name, entries, metadata={"format": "pt"})
+    if n > 1:
+        weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+        total = sum(_nbytes(t) for t in tensors)
+        (out / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+        names.append(INDEX)
+    return [out / name for name in names]
+
+
+def _nbytes(t: TensorRecord) -> int:
+    n = t.dtype.itemsize
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def _bytes_of(t: TensorRecord, fds: dict[str, int], headers: dict[str, tuple[int, dict]]):
+    """The tensor's bytes: its pieces' byte ranges in the ranks' files, in row order."""
+
+    def parts():
+        for p in t.pieces:
+            base, header = headers[p.file]
+            entry = header.get(t.name)
+            want = [p.stop - p.start, *t.shape[1:]] if t.shape else []
+            if (
+                entry is None
+                or entry["shape"] != want
+                or entry["dtype"] != files.dtype_code(t.dtype)
+            ):
+                raise CheckpointError(
+                    f"file {p.file} does not hold '{t.name}' as the index says ({entry})"
+                )
+            start, stop = entry["data_offsets"]
+            yield from files.byte_range(fds[p.file], base + start, base + stop)
+
+    return parts

@@ -1,0 +1,453 @@
+"""``load`` (a shardwise checkpoint) and ``load_full`` (a standard safetensors model) into a
+sharded model: each rank reads just the rows it owns now, whatever the world size, wrap or
+strategy of the save, straight from the files (safetensors slices), so host memory stays
+O(shard).
+
+Both run in two phases. Planning reads only the index and the file headers, and checks
+everything: names, shapes, dtypes, and (for checkpoints) the size and CRC-32 of each file this
+rank will read. The ranks then agree (one all-gather) and, if any found a problem, all raise
+before anything changed. Only then are the rows copied in.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors import safe_open
+
+from . import files
+from .index import CheckpointError, Index, Piece, TensorRecord, read_index
+from .saving import finish_pending
+from .state import ParamSlot, optimizer_names, param_slots, persistent_buffers, runtime_of
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``load()`` found besides the tensors."""
+
+    path: Path
+    step: int | None  # as given to save()
+    extra: Any  # as given to save() (rank 0's)
+    world_size: int  # of the save
+    strategy: str  # of the save
+    rng_restored: bool  # each rank's RNG states were restored (only at the saved world size)
+
+
+def _names(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _located(names: list[str], records: dict[str, TensorRecord], limit: int = 10) -> str:
+    shown = ", ".join(f"'{n}' ({records[n].where()})" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+class _Plan:
+    """One load, worked out before anything changes: the problems found, the copies to make,
+    and the files they read (each opened once and, for a checkpoint, verified once)."""
+
+    def __init__(self, stack: ExitStack, root: Path | None, files_meta: dict[str, dict] | None):
+        self.stack, self.root, self.files_meta = stack, root, files_meta
+        self.problems: list[str] = []
+        self.copies: list[Callable[[], None]] = []
+        self._handles: dict[str, Any] = {}
+
+    def problem(self, msg: str) -> None:
+        self.problems.append(msg)
+
+    def open(self, file: str):
+        """The open file, or None after recording why it cannot be used."""
+        if file in self._handles:
+            return self._handles[file]
+        self._handles[file] = None
+        path = Path(file) if self.root is None else self.root / file
+        if not path.is_file():
+            self.problem(f"file {file} is missing" + (f" from {self.root}" if self.root else ""))
+            return None
+        if self.files_meta is not None:
+            want = self.files_meta.get(file)
+            size, crc = files.checksum(path)
+            if want is None:
+                self.problem(f"file {file} is not listed in the index")
+                return None
+            if size != want["bytes"]:
+                self.problem(
+                    f"file {file} has {size} bytes, the index records {want['bytes']}: "
+                    "it is truncated or was replaced"
+                )
+                return None
+            if crc != want["crc32"]:
+                self.problem(
+                    f"file {file} is corrupt: its CRC-32 is {crc}, "
+                    f"the index records {want['crc32']}"
+                )
+                return None
+        try:
+            self._handles[file] = self.stack.enter_context(safe_open(path, framework="pt"))
+        except Exception as e:  # safetensors raises its own error type for a bad header
+            self.problem(f"file {file} is not a readable safetensors file ({e})")
+        return self._handles[file]
+
+    def rows(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None,
+        pieces: list[Piece],
+        lo: int,
+        hi: int,
+        dest: torch.Tensor,
+    ) -> None:
+        """Plan to copy rows ``[lo, hi)`` of tensor ``name`` into ``dest`` (shaped
+        ``(hi - lo, *shape[1:])``) from the pieces that hold them; ``dtype`` None casts."""
+        for p in pieces:
+            a, b = max(lo, p.start), min(hi, p.stop)
+            if a >= b:
+                continue
+            handle = self.open(p.file)
+            if handle is None:
+                continue
+            try:
+                part = handle.get_slice(name)
+            except Exception:
+                self.problem(
+                    f"file {p.file} has no tensor '{name}' although the index says it holds "
+                    f"its rows {p.start}..{p.stop}"
+                )
+                continue
+            stored = tuple(part.get_shape())
+            want = (p.stop - p.start, *shape[1:]) if shape else ()
+            if stored != want or (
+                dtype is not None and part.get_dtype() != files.dtype_code(dtype)
+            ):
+                self.problem(
+                    f"tensor '{name}' in file {p.file} is stored as "
+                    f"{part.get_dtype()} {list(stored)}, "
+                    f"expected {files.dtype_code(dtype) if dtype else 'a tensor of'} {list(want)}"
+                )
+                continue
+            self.copies.append(
+                functools.partial(_copy, dest, lo, handle, name, shape, p.start, a, b)
+            )
+
+
+def _copy(
+    dest: torch.Tensor, lo: int, handle, name: str, shape, first: int, a: int, b: int
+) -> None:
+    dest[a - lo : b - lo].copy_(files.read_rows(handle, name, shape, first, a, b))
+
+
+def _agree(plan: _Plan, what: str, group) -> None:
+    """Raise on every rank if any rank found a problem (a collective)."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, plan.problems, group=group)
+    merged = list(dict.fromkeys(p for problems in everyone for p in problems))
+    if merged:
+        raise CheckpointError(f"{what}; nothing was changed: " + "; ".join(merged))
+
+
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> CheckpointInfo:
+    """Load a checkpoint written by ``save()`` into a sharded model (and optimizer).
+
+    Collective. Works at any world size, wrap and strategy: tensors are matched by name and
+    each rank reads only the rows it now owns, so host memory stays O(shard). Optimizer state
+    is resharded the same way, and the param groups' hyper-parameters restored. Each rank's
+    RNG states are restored when the world size is the one saved. Any mismatch (a missing or
+    extra tensor, shape, dtype, a missing, truncated or corrupt file) raises CheckpointError
+    on every rank, naming the tensor and the file, before anything is changed.
+    """
+    rt = runtime_of(model, "load")
+    finish_pending(model)
+    group = rt.units[0].group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    path = Path(path)
+    index: Index | None = None
+    with ExitStack() as stack:
+        plan = _Plan(stack, path, None)
+        restore: list[Callable[[], None]] = []
+        try:
+            index = read_index(path)
+            plan.files_meta = index.files
+            slots = param_slots(rt)
+            params_match = _plan_params(plan, index, slots)
+            _plan_buffers(plan, index, persistent_buffers(model))
+            if (
+                optimizer is not None and params_match
+            ):  # else its every difference follows from theirs
+                restore.append(_plan_optimizer(plan, index, optimizer, slots))
+            if index.world_size == world:
+                restore.append(_plan_rng(plan, index.rng[rank]))
+        except Exception as e:  # any rank's failure must reach the others: see _agree
+            plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+        _agree(plan, f"cannot load {path}", group)
+        with torch.no_grad():
+            for copy in plan.copies:
+                copy()
+        for r in restore:
+            r()
+    return CheckpointInfo(
+        path, index.step, index.extra, index.world_size, index.strategy, index.world_size == world
+    )
+
+
+def _plan_params(plan: _Plan, index: Index, slots: list[ParamSlot]) -> bool:
+    """Plan the parameters' copies; return whether the names match."""
+    stored = {n: r for n, r in index.tensors.items() if r.kind == "param"}
+    match = _check_names(plan, "parameters", [s.name for s in slots], stored)
+    for s in slots:
+        rec = stored.get(s.name)
+        if rec is None or not _check_record(plan, rec, s.shape, s.tensor.dtype):
+            continue
+        if set(rec.aliases) != set(s.aliases):
+            plan.problem(
+                f"parameter '{s.name}' is shared with {list(rec.aliases)} in the checkpoint "
+                "but with "
+                f"{list(s.aliases)} in the model"
+            )
+            continue
+        lo, hi = s.held
+        plan.rows(
+            rec.name,
+            rec.shape,
+            rec.dtype,
+            rec.overlapping(lo, hi),
+            lo,
+            hi,
+            s.rows_view(s.tensor.detach()),
+        )
+    return match
+
+
+def _plan_buffers(plan: _Plan, index: Index, buffers: dict[str, torch.Tensor]) -> None:
+    stored = {n: r for n, r in index.tensors.items() if r.kind == "buffer"}
+    _check_names(plan, "buffers", list(buffers), stored)
+    for name, b in buffers.items():
+        rec = stored.get(name)
+        if rec is not None and _check_record(plan, rec, tuple(b.shape), b.dtype):
+            plan.rows(
+                name,
+                rec.shape,
+                rec.dtype,
+                rec.pieces,
+                0,
+                rec.rows,
+                b.detach().view(rec.rows, *rec.shape[1:]),
+            )
+
+
+def _check_names(
+    plan: _Plan, what: str, expected: list[str], stored: dict[str, TensorRecord]
+) -> bool:
+    missing = [n for n in expected if n not in stored]
+    unexpected = [n for n in stored if n not in set(expected)]
+    if missing:
+        plan.problem(f"{what} missing from the checkpoint: {_names(missing)}")
+    if unexpected:
+        plan.problem(
+            f"{what} in the checkpoint that the model does not have: {_located(unexpected, stored)}"
+        )
+    return not missing and not unexpected
+
+
+def _check_record(
+    plan: _Plan, rec: TensorRecord, shape: tuple[int, ...], dtype: torch.dtype
+) -> bool:
+    if rec.shape != shape:
+        plan.problem(
+            f"tensor '{rec.name}' has shape {list(rec.shape)} in the checkpoint "
+            f"({rec.where()}); the model needs {list(shape)}"
+        )
+        return False
+    if rec.dtype != dtype:
+        plan.problem(
+            f"tensor '{rec.name}' is {rec.dtype} in the checkpoint ({rec.where()}); "
+            f"the model needs {dtype}"
+        )
+        return False
+    return True
+
+
+def _plan_optimizer(
+    plan: _Plan, index: Index, optimizer: torch.optim.Optimizer, slots: list[ParamSlot]
+) -> Callable[[], None]:
+    """Check the optimizer against the checkpoint; return what installs its state."""
+    saved = index.optimizer
+    cls = type(optimizer).__name__
+    if saved is None:
+        raise CheckpointError(
+            "the checkpoint holds no optimizer state: pass optimizer=None to load the model alone"
+        )
+    if saved["class"] != cls:
+        raise CheckpointError(f"the checkpoint's optimizer is {saved['class']}, this one is {cls}")
+    groups = optimizer_names(optimizer, slots)
+    if len(groups) != len(saved["param_groups"]):
+        raise CheckpointError(
+            f"the checkpoint's {cls} has {len(saved['param_groups'])} param groups, "
+            f"this one {len(groups)}"
+        )
+    for gi, (names, g) in enumerate(zip(groups, saved["param_groups"])):
+        if set(names) != set(g["params"]):
+            plan.problem(
+                f"param group {gi} differs: only in the checkpoint "
+                f"{_names(sorted(set(g['params']) - set(names)))}; "
+                f"only in this optimizer {_names(sorted(set(names) - set(g['params'])))}"
+            )
+    by_name = {s.name: s for s in slots}
+    group_of = {n: g for names, g in zip(groups, optimizer.param_groups) for n in names}
+    state: dict[str, dict[str, Any]] = {}  # parameter name -> its new state (filled by the copies)
+    records = {n: r for n, r in index.tensors.items() if r.kind in ("optim", "optim_scalar")}
+    foreign = [n for n, r in records.items() if r.param not in group_of]
+    if foreign:
+        plan.problem(
+            "optimizer state in the checkpoint for parameters this optimizer does not hold: "
+            + _located(foreign, records)
+        )
+    for rec in records.values():
+        if rec.param not in group_of:
+            continue
+        s = by_name[rec.param]
+        if rec.kind == "optim":
+            if rec.shape != s.shape:
+                plan.problem(
+                    f"optimizer state '{rec.name}' has shape {list(rec.shape)} "
+                    f"({rec.where()}); its parameter has {list(s.shape)}"
+                )
+                continue
+            dest = torch.empty(s.tensor.shape, dtype=rec.dtype, device=s.tensor.device)
+            lo, hi = s.held
+            plan.rows(
+                rec.name, rec.shape, rec.dtype, rec.overlapping(lo, hi), lo, hi, s.rows_view(dest)
+            )
+        else:
+            g = group_of[rec.param]
+            # torch keeps a scalar like Adam's step on the host unless the step runs on the device
+            device = (
+                s.tensor.device if g.get("capturable") or g.get("fused") else torch.device("cpu")
+            )
+            dest = torch.empty((), dtype=rec.dtype, device=device)
+            plan.rows(rec.name, (), rec.dtype, rec.pieces, 0, 1, dest.view(1))
+        state.setdefault(rec.param, {})[rec.key] = dest
+    for pname, values in saved["values"].items():
+        if pname in group_of:
+            state.setdefault(pname, {}).update(values)
+
+    def install() -> None:
+        optimizer.state.clear()
+        for pname, st in state.items():
+            optimizer.state[by_name[pname].tensor] = st
+        for g, sg in zip(optimizer.param_groups, saved["param_groups"]):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+
+    return install
+
+
+def _plan_rng(plan: _Plan, entry: dict[str, str]) -> Callable[[], None]:
+    """Read this rank's saved RNG states (the CUDA one only where CUDA is available)."""
+    states: dict[str, torch.Tensor] = {}
+    handle = plan.open(entry["file"])
+    if handle is not None:
+        for kind in ("cpu", "cuda"):
+            if kind in entry and (kind == "cpu" or torch.cuda.is_available()):
+                states[kind] = handle.get_tensor(entry[kind])
+
+    def install() -> None:
+        if "cpu" in states:
+            torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"])
+
+    return install
+
+
+# --- standard safetensors models (single file or Hugging Face index)
+def _standard_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, for a .safetensors file, an index JSON, or a directory of either."""
+    if path.is_dir():
+        if (path / "model.safetensors.index.json").is_file():
+            path = path / "model.safetensors.index.json"
+        elif (path / "model.safetensors").is_file():
+            path = path / "model.safetensors"
+        else:
+            raise CheckpointError(
+                f"{path} holds neither model.safetensors nor model.safetensors.index.json"
+            )
+    if not path.is_file():
+        raise CheckpointError(f"no safetensors model at {path}")
+    if path.suffix == ".json":
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"{path} is not a safetensors index with a weight_map ({e})"
+            ) from e
+        return {name: path.parent / f for name, f in weight_map.items()}
+    try:
+        with safe_open(path, framework="pt") as f:
+            return dict.fromkeys(f.keys(), path)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from e
+
+
+def load_full(model: nn.Module, path: str | os.PathLike) -> None:
+    """Fill a sharded model from a standard safetensors model: one ``model.safetensors`` or a
+    Hugging Face style index (``model.safetensors.index.json``) and its files, or a directory
+    holding either. Each rank reads only its rows of each parameter.
+
+    Collective. Names are the unsharded model's state-dict names (a tied parameter may be
+    stored under any of its names); values are cast to the parameters' dtypes, as
+    ``load_full_state_dict`` does. A missing, extra or misshapen tensor raises on every rank
+    before anything is changed.
+    """
+    rt = runtime_of(model, "load_full")
+    finish_pending(model)
+    group = rt.units[0].group
+    path = Path(path)
+    with ExitStack() as stack:
+        plan = _Plan(stack, None, None)
+        try:
+            where = _standard_files(path)
+            used: set[str] = set()
+            missing: list[str] = []
+            targets = [
+                (s.name, (s.name, *s.aliases), s.shape, s.held, s.rows_view(s.tensor.detach()))
+                for s in param_slots(rt)
+            ]
+            for name, b in persistent_buffers(model).items():
+                shape = tuple(b.shape)
+                rows = shape[0] if shape else 1
+                targets.append((name, (name,), shape, (0, rows), b.detach().view(rows, *shape[1:])))
+            for name, names, shape, (lo, hi), dest in targets:
+                present = [n for n in names if n in where]
+                if not present:
+                    missing.append(name)
+                    continue
+                used.update(present)
+                stored = present[0]
+                rows = shape[0] if shape else 1
+                plan.rows(stored, shape, None, [Piece(str(where[stored]), 0, rows)], lo, hi, dest)
+            if missing:
+                plan.problem(f"tensors missing from {path}: {_names(missing)}")
+            extra = sorted(set(where) - used)
+            if extra:
+                plan.problem(f"{path} has tensors the model does not: {_names(extra)}")
+        except Exception as e:  # any rank's failure must reach the others: see _agree
+            plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+        _agree(plan, f"cannot load {path}", group)
+        with torch.no_grad():
+            for copy in plan.copies:
+                copy()

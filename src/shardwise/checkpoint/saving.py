@@ -1,0 +1,371 @@
+"""``save``: every rank writes its own rows of every tensor; rank 0 commits the checkpoint.
+
+1. Each rank takes a snapshot: its rows of every parameter and optimizer state tensor (see
+   state.py), and its RNG states; rank 0 adds the buffers, the optimizer's scalar state, its
+   param groups and ``extra``. The ranks agree (one all-gather) that every snapshot worked and
+   on the temporary directory, so a problem on one rank stops all before anything is written.
+2. Each rank writes its file into the temporary directory (commit.py), then reports its size,
+   CRC-32 and rows to rank 0 (a gather); rank 0 merges the reports into the index, checks that
+   the pieces of every tensor tile its rows, commits, and tells every rank the outcome (a
+   broadcast): every rank returns or raises together; none waits forever.
+
+With ``async_=True`` the snapshot copies to host memory and steps 2 run in a background
+thread over a Gloo group of their own, so training goes on; the next save or load of the model
+first waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import groups
+from . import commit, files
+from .index import CheckpointError, Index, Piece, TensorRecord, rank_file
+from .state import (
+    ParamSlot,
+    is_per_element,
+    optimizer_names,
+    param_slots,
+    per_element_keys,
+    persistent_buffers,
+    runtime_of,
+)
+
+
+class SaveHandle:
+    """A save, finished or still being written: ``wait()`` returns the checkpoint's path once
+    it is committed, or raises the CheckpointError that stopped it (on every rank alike)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.path
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # kept for wait(); a thread has nobody else to tell
+            self._error = e
+
+
+@dataclass
+class _Saves:
+    """A model's background save in flight (at most one) and the Gloo group such saves use."""
+
+    pending: SaveHandle | None = None
+    group: Any = None
+
+
+def _saves(model: nn.Module) -> _Saves:
+    if "_shardwise_saves" not in model.__dict__:
+        model._shardwise_saves = _Saves()
+    return model._shardwise_saves
+
+
+def finish_pending(model: nn.Module) -> None:
+    """Wait for the model's background save; raise its error unless ``wait()`` reported it."""
+    saves = _saves(model)
+    handle, saves.pending = saves.pending, None
+    if handle is None:
+        return
+    handle._thread.join()
+    if handle._error is not None and not handle._reported:
+        raise CheckpointError(
+            f"the background save to {handle.path} failed: {handle._error}"
+        ) from handle._error
+
+
+@dataclass
+class _Report:
+    """What one rank tells rank 0 about its file (picklable: it goes through a gather)."""
+
+    file: str
+    records: list[TensorRecord] = field(default_factory=list)  # every tensor this rank knows
+    pieces: list[tuple[str, int, int]] = field(
+        default_factory=list
+    )  # (name, start, stop) in its file
+    rng: dict[str, str] = field(default_factory=dict)
+    meta: dict | None = None  # rank 0: strategy, step, extra, optimizer
+    written: dict | None = None  # {"bytes", "crc32"} once the file is on disk
+    error: str = ""
+
+
+@dataclass
+class _Snapshot:
+    report: _Report
+    entries: list[files.Entry] = field(default_factory=list)
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra: Any = None,
+    async_: bool = False,
+) -> SaveHandle:
+    """Write a checkpoint of a sharded model (and optimizer) to the directory ``path``.
+
+    Collective: every rank calls it. Each rank writes only its own rows of every parameter and
+    optimizer state tensor (rank 0 also the buffers) into one safetensors file, under the
+    parameters' original names, plus its RNG states; rank 0 writes the index and commits. The
+    directory appears under ``path`` only once complete (an existing one is replaced), so a
+    crash at any moment leaves the previous checkpoints loadable. ``step`` and ``extra`` (any
+    JSON value, e.g. a data position; rank 0's is kept) come back from ``load()``.
+
+    async_: copy the snapshot to host memory and write it in a background thread while
+    training continues; the returned handle's ``wait()`` blocks until it is committed. A later
+    save or load of the model waits for it first.
+    """
+    rt = runtime_of(model, "save")
+    finish_pending(model)
+    group = rt.units[0].group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    path = Path(path)
+    problem, snap = "", None
+    try:
+        snap = _snapshot(model, rt, optimizer, path, rank, world, step, extra, copy=async_)
+    except Exception as e:  # must reach the other ranks, or they would wait for this one
+        problem = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    answers: list = [None] * world
+    dist.all_gather_object(answers, (problem, uuid.uuid4().hex[:12]), group=group)
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(answers) if p]
+    if problems:
+        raise CheckpointError(
+            f"save to {path} refused, nothing was written: " + "; ".join(problems)
+        )
+    tmp = commit.temp_dir(path, answers[0][1])
+    handle = SaveHandle(path)
+    if not async_:
+        _write_and_commit(snap, tmp, path, group)
+        return handle
+    saves = _saves(model)
+    if saves.group is None:  # collective, on the main thread of every rank alike
+        saves.group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=groups.DEFAULT_TIMEOUT_S)
+        )
+    work = functools.partial(_write_and_commit, snap, tmp, path, saves.group)
+    handle._thread = threading.Thread(
+        target=handle._run, args=(work,), name=f"shardwise-save:{path.name}"
+    )
+    handle._thread.start()
+    saves.pending = handle
+    return handle
+
+
+def _snapshot(
+    model, rt, optimizer, path: Path, rank: int, world: int, step, extra, *, copy: bool
+) -> _Snapshot:
+    snap = _Snapshot(_Report(rank_file(rank, world)))
+    rep = snap.report
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        # a host copy when the write runs later or the tensor is not in host memory
+        return t.detach().to("cpu", copy=True) if copy or t.device.type != "cpu" else t.detach()
+
+    def add(rec: TensorRecord, slot: ParamSlot | None, t: torch.Tensor) -> None:
+        rep.records.append(rec)
+        if slot is None:  # buffers and scalars: whole, from rank 0
+            if rank == 0:
+                snap.entries.append(files.whole(rec.name, take(t)))
+                rep.pieces.append((rec.name, 0, rec.rows))
+            return
+        lo, hi = slot.saved
+        if hi > lo:
+            rows = slot.rows_view(t)[lo - slot.held[0] : hi - slot.held[0]]
+            snap.entries.append(
+                files.whole(rec.name, take(rows if slot.shape else rows.reshape(())))
+            )
+            rep.pieces.append((rec.name, lo, hi))
+
+    slots = param_slots(rt)
+    for s in slots:
+        add(TensorRecord(s.name, "param", s.tensor.dtype, s.shape, s.aliases), s, s.tensor)
+    for name, b in persistent_buffers(model).items():
+        add(TensorRecord(name, "buffer", b.dtype, tuple(b.shape)), None, b)
+    opt_meta = None
+    if optimizer is not None:
+        values = _optimizer_state(optimizer, slots, add)
+        hyper = _param_groups(optimizer, optimizer_names(optimizer, slots))
+        opt_meta = {"class": type(optimizer).__name__, "param_groups": hyper, "values": values}
+    rep.rng["cpu"] = "rng.cpu"
+    snap.entries.append(files.whole("rng.cpu", torch.get_rng_state()))
+    if torch.cuda.is_available():
+        rep.rng["cuda"] = "rng.cuda"
+        snap.entries.append(files.whole("rng.cuda", torch.cuda.get_rng_state()))
+    if rank == 0:
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"extra must be JSON-serialisable (it is stored in the index): {e}"
+            ) from e
+        if step is not None and not isinstance(step, int):
+            raise CheckpointError(f"step must be an int or None, got {step!r}")
+        if path.exists() and not commit.is_complete(path):
+            raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to replace it")
+        rep.meta = {"strategy": rt.strategy, "step": step, "extra": extra, "optimizer": opt_meta}
+    return snap
+
+
+def _optimizer_state(optimizer, slots: list[ParamSlot], add) -> dict[str, dict]:
+    """Add the optimizer's state tensors; return its plain-number state by parameter name."""
+    by_id = {id(s.tensor): s for s in slots}
+    keys = per_element_keys(optimizer)
+    values: dict[str, dict] = {}
+    for p, st in optimizer.state.items():
+        s = by_id.get(id(p))
+        if s is None:
+            raise CheckpointError(
+                f"{type(optimizer).__name__} has state for a tensor that is not a parameter "
+                "of the model"
+            )
+        for key, v in st.items():
+            name = f"optim.{s.name}.{key}"
+            if is_per_element(p, key, v, keys):
+                add(TensorRecord(name, "optim", v.dtype, s.shape, param=s.name, key=key), s, v)
+            elif torch.is_tensor(v) and v.dim() == 0:
+                add(TensorRecord(name, "optim_scalar", v.dtype, (), param=s.name, key=key), None, v)
+            elif v is None or isinstance(v, (bool, int, float)):
+                values.setdefault(s.name, {})[key] = v
+            else:
+                what = (
+                    f"a tensor of shape {tuple(v.shape)}"
+                    if torch.is_tensor(v)
+                    else f"a {type(v).__name__}"
+                )
+                raise CheckpointError(
+                    f"optimizer state '{key}' of parameter '{s.name}' is {what}: a checkpoint "
+                    "stores state tensors shaped like their parameter, 0-dim tensors and numbers"
+                )
+    return values
+
+
+def _param_groups(optimizer, names: list[list[str]]) -> list[dict]:
+    out = []
+    for gi, (g, group_names) in enumerate(zip(optimizer.param_groups, names)):
+        hyper = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            v = list(v) if isinstance(v, tuple) else v
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(
+                    f"param group {gi}'s '{k}' is a {type(v).__name__}, which the index "
+                    "(JSON) cannot store: use a plain number"
+                ) from e
+            hyper[k] = v
+        out.append({**hyper, "params": group_names})
+    return out
+
+
+def _write_rank_file(snap: _Snapshot, tmp: Path) -> dict:
+    """Write this rank's safetensors file; return its size and CRC-32 for the index."""
+    size, crc = files.write(tmp / snap.report.file, snap.entries, metadata={"format": "pt"})
+    return {"bytes": size, "crc32": crc}
+
+
+def _write_and_commit(snap: _Snapshot, tmp: Path, path: Path, group) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    report = snap.report
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        report.written = _write_rank_file(snap, tmp)
+    except Exception as e:
+        report.error = f"writing {report.file} failed: {type(e).__name__}: {e}"
+    snap.entries = []  # drop the host copies now
+    outcome: list = [None]
+    try:
+        reports = [None] * world if rank == 0 else None
+        dist.gather_object(report, reports, dst=0, group=group)
+        if rank == 0:
+            outcome[0] = _commit(reports, tmp, path)
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    except RuntimeError as e:  # a rank died or stalled: the collective timed out
+        raise CheckpointError(
+            f"save to {path} did not complete: another rank failed or died during it ({e}). "
+            f"Nothing was committed; the previous checkpoints are untouched and {tmp} is not one."
+        ) from e
+    if outcome[0]:
+        raise CheckpointError(f"save to {path} failed, nothing was committed: {outcome[0]}")
+
+
+def _commit(reports: list[_Report], tmp: Path, path: Path) -> str:
+    """Rank 0: merge the reports into the index and commit; return "" or what went wrong."""
+    errors = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
+    try:
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        index = _merge(reports)
+        crc = commit.write_index(tmp, index)
+        commit.write_marker(tmp, crc)
+        commit.publish(tmp, path)
+    except Exception as e:  # the other ranks wait for this outcome: always send one
+        commit.discard(tmp)
+        return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _merge(reports: list[_Report]) -> Index:
+    tensors: dict[str, TensorRecord] = {}
+    for r, rep in enumerate(reports):
+        for rec in rep.records:
+            have = tensors.setdefault(rec.name, dataclasses.replace(rec, pieces=[]))
+            if (have.kind, have.dtype, have.shape) != (rec.kind, rec.dtype, rec.shape):
+                raise CheckpointError(
+                    f"ranks disagree on tensor '{rec.name}': rank {r} has a {rec.kind} of "
+                    f"{rec.dtype} {rec.shape}, an earlier rank a {have.kind} of {have.dtype} "
+                    f"{have.shape}"
+                )
+        for name, lo, hi in rep.pieces:
+            tensors[name].pieces.append(Piece(rep.file, lo, hi))
+    for rec in tensors.values():
+        rec.pieces.sort(key=lambda p: p.start)
+        starts, stops = [p.start for p in rec.pieces], [p.stop for p in rec.pieces]
+        if starts != [0, *stops][:-1] or (stops[-1] if stops else 0) != rec.rows:
+            pieces = [(p.file, p.start, p.stop) for p in rec.pieces]
+            raise CheckpointError(
+                f"tensor '{rec.name}': the ranks' files do not hold each of its {rec.rows} rows "
+                f"once (pieces {pieces}); every rank must hold optimizer state for the same "
+                "parameters"
+            )
+    meta = reports[0].meta
+    return Index(
+        world_size=len(reports),
+        strategy=meta["strategy"],
+        step=meta["step"],
+        extra=meta["extra"],
+        files={rep.file: rep.written for rep in reports},
+        tensors=tensors,
+        optimizer=meta["optimizer"],
+        rng=[{"file": rep.file, **rep.rng} for rep in reports],
+    )

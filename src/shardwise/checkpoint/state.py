@@ -1,0 +1,126 @@
+"""What a sharded model and its optimizer hold on this rank, by name and by rows.
+
+Parameters are named by their first qualified name (a tied parameter's other names are its
+aliases). Every tensor is split by rows as the layout splits parameters: rank r of N owns rows
+``[r*R, (r+1)*R)``, R = ceil(rows / N), a 0-dim tensor counting as one row. A sharded unit's
+rank holds and saves just those rows; a replicated (no_shard) unit's rank holds all rows but
+saves only its share, so every rank writes 1/N of every tensor whatever the strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..api import _require_idle, _runtime
+from ..layout import Layout
+from ..runtime import Runtime
+from ..unit import ShardedUnit
+from .index import CheckpointError
+
+
+def owned_rows(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a tensor of ``shape`` that ``rank`` of ``world`` owns."""
+    return Layout.build([("", shape)], world).slots[0].row_range(rank)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter of the model as this rank holds it."""
+
+    name: str  # first qualified name
+    aliases: tuple[str, ...]  # its other qualified names (tied parameters)
+    shape: tuple[int, ...]  # full shape
+    held: tuple[int, int]  # rows of the full parameter that ``tensor`` holds
+    saved: tuple[int, int]  # rows this rank writes (within ``held``)
+    tensor: nn.Parameter  # what model.parameters() yields: the shard, or the whole parameter
+
+    def rows_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (shaped like ``tensor``) viewed as its held rows: ``(rows, *shape[1:])``."""
+        return t.view(self.held[1] - self.held[0], *self.shape[1:])
+
+
+def runtime_of(model: nn.Module, what: str) -> Runtime:
+    """The model's runtime, idle, sharded over the whole world (one replica of the model)."""
+    rt = _runtime(model)
+    _require_idle(rt, what)
+    group = rt.units[0].group
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise NotImplementedError(
+            f"{what}() of a model sharded over a subgroup of the world is not supported: shard the "
+            "model over the default group"
+        )
+    return rt
+
+
+def param_slots(rt: Runtime) -> list[ParamSlot]:
+    """Every parameter of the model, in ``named_parameters()`` order."""
+    slots = []
+    for unit in rt.units:
+        names: dict[int, list[str]] = {}
+        for r in unit.registrations:
+            names.setdefault(r.index, []).append(r.fqn)
+        sharded = isinstance(unit, ShardedUnit)
+        params = unit.shard_params if sharded else unit.params
+        for i, p in enumerate(params):
+            first, *aliases = names[i]
+            shape = tuple(unit.full_params[i].shape)
+            saved = owned_rows(shape, unit.rank, unit.world)
+            held = saved if sharded else (0, shape[0] if shape else 1)
+            slots.append(ParamSlot(first, tuple(aliases), shape, held, saved, p))
+    order = {name: i for i, (name, _) in enumerate(rt.root.named_parameters())}
+    return sorted(slots, key=lambda s: order[s.name])
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (persistent ones), by their first qualified name."""
+    out = {}
+    for mname, module in model.named_modules():
+        for bname, b in module._buffers.items():
+            if b is None or bname in module._non_persistent_buffers_set:
+                continue
+            fqn = f"{mname}.{bname}" if mname else bname
+            if not any(b is seen for seen in out.values()):
+                out[fqn] = b
+    return out
+
+
+def per_element_keys(optimizer: torch.optim.Optimizer) -> set[str]:
+    """State keys whose tensors are shaped like their parameter (e.g. Adam's moments).
+
+    A 0-dim parameter (only whole under no_shard) cannot tell its moments from a 0-dim
+    scalar such as Adam's ``step`` by shape, so keys are judged on the other parameters.
+    """
+    keys = set()
+    for p, st in optimizer.state.items():
+        if p.dim() > 0:
+            keys.update(k for k, v in st.items() if torch.is_tensor(v) and v.shape == p.shape)
+    return keys
+
+
+def is_per_element(p: torch.Tensor, key: str, value, keys: set[str]) -> bool:
+    if not torch.is_tensor(value) or value.shape != p.shape:
+        return False
+    return p.dim() > 0 or key in keys
+
+
+def optimizer_names(optimizer: torch.optim.Optimizer, slots: list[ParamSlot]) -> list[list[str]]:
+    """The parameter names of each param group; raises if the optimizer holds a tensor that
+    is not one of the model's parameters on this rank."""
+    by_id = {id(s.tensor): s.name for s in slots}
+    groups = []
+    for gi, g in enumerate(optimizer.param_groups):
+        names = []
+        for pi, p in enumerate(g["params"]):
+            if id(p) not in by_id:
+                raise CheckpointError(
+                    f"{type(optimizer).__name__} param group {gi} holds a tensor (position "
+                    f"{pi}, shape {tuple(p.shape)}) that is not a parameter of the sharded "
+                    "model: build the optimizer after shard(), from model.parameters()"
+                )
+            names.append(by_id[id(p)])
+        groups.append(names)
+    return groups
