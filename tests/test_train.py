@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 
-def test_shardwise_train_runs_and_the_loss_falls():
+def test_shardwise_train_runs_and_the_loss_falls(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "shardwise", "train", "--model-size", "tiny", "--steps", "40",
-         "--nproc", "2", "--seq-len", "32", "--log-every", "10"],
+         "--nproc", "2", "--seq-len", "32", "--log-every", "10", "--report", str(tmp_path / "r.html")],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -19,6 +19,7 @@ def test_shardwise_train_runs_and_the_loss_falls():
     assert "theory: 3*psi*b*(N-1)/N" in text
     assert text.count("  rank ") == 6  # both ranks in all three tables
     assert "peak memory of one step" in text
+    assert (tmp_path / "r.html").stat().st_size > 10_000 and (tmp_path / "r.chrome.json").exists()
 
 
 def test_cli_lists_its_commands():

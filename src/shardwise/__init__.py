@@ -26,6 +26,8 @@ from .groups import init
 from .policies import MixedPrecision
 from .scaler import GradScaler
 from .tools.accounting import dtype_table, held_bytes
+from .tools.plan import plan
+from .tools.trace import trace
 
 __all__ = [
     "init",
@@ -52,6 +54,8 @@ __all__ = [
     "checkpoint_activations",
     "dtype_table",
     "held_bytes",
+    "plan",
+    "trace",
     "comm_stats",
     "reset_comm_stats",
     "CollectiveStats",

@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 import warnings
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,7 +27,9 @@ from . import api, checkpoint, groups
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .scaler import GradScaler
+from .tools import report
 from .tools.accounting import dtype_table, held_bytes, theory_bytes_per_step
+from .tools.trace import trace
 from .wrap import by_class, by_size
 
 
@@ -50,6 +53,7 @@ class TrainConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0: none)
     checkpoint_dir: str = "checkpoints"  # where checkpoints are written and --resume looks
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    report: str = ""  # trace the last steps and write this HTML report (with its traces beside it)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -71,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (0: none)")
     p.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir, help="where checkpoints go and --resume looks")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint, if any")
+    p.add_argument("--report", nargs="?", const="report.html", default=defaults.report,
+                   help="trace the last 3 steps; write this HTML report (default report.html)")
     a = p.parse_args(argv)
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -149,9 +155,12 @@ def worker(cfg: TrainConfig) -> dict:
     step_times, first_loss, loss = [], None, float("nan")
     warmup = start + min(5, (cfg.steps - start) // 4)
     saving = None
+    tracing = contextlib.ExitStack()  # --report: the last steps run traced
     for step in range(start, cfg.steps):
         if step == warmup:
             reset_comm_stats()
+        if cfg.report and step == max(start, cfg.steps - 3):
+            tracer = tracing.enter_context(trace(model, opt))
         t0 = time.perf_counter()
         x, y = get_batch(step, cfg.batch_size * world, cfg.seq_len, seed=cfg.seed)
         x, y = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
@@ -192,6 +201,11 @@ def worker(cfg: TrainConfig) -> dict:
     if saving is not None:
         saving.wait()
     bar.close()
+    tracing.close()  # collective: every rank leaves the trace here
+    if cfg.report and rank == 0:
+        tracer.save(Path(cfg.report).with_suffix(".trace.json"))
+        tracer.save_chrome(Path(cfg.report).with_suffix(".chrome.json"))
+        print(f"report: {report.write(tracer.data, cfg.report)} (traces beside it)", flush=True)
     measured = max(1, cfg.steps - warmup)
     stats = comm_stats()
     per_step = {k: v.bytes // measured for k, v in stats.items()}

@@ -1,0 +1,251 @@
+"""``shardwise report``: one self-contained HTML page built from a trace.
+
+    shardwise report run.trace.json -o report.html [--step N] [--chrome run.chrome.json]
+
+The page shows one recorded step on every rank: a timeline (compute, all-gather,
+reduce-scatter or all-reduce, with the time each rank was blocked), memory over time by
+category, a mechanism view that replays the step event by event (which units are sharded,
+in flight or gathered on each rank, and which reductions are in flight; Reset, Play, Pause and
+Step), and the run's figures: bytes sent against theory and memory against DDP. Everything it
+shows is computed here by ``build`` from the trace; the page's script only draws it, and it
+needs no network (the data, styles and script are inlined).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib import resources
+from pathlib import Path
+
+from . import trace as T
+
+TEMPLATE = "report_template.html"
+_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, None: 4}
+
+
+def build(data: dict, step: int = -1) -> dict:
+    """The page's data for one step (index into the recorded steps; -1: the last)."""
+    ranks = data["ranks"]
+    n_steps = min(len(r["steps"]) for r in ranks)
+    if n_steps == 0:
+        raise ValueError("the trace holds no step: trace at least one forward and backward")
+    index = step if step >= 0 else n_steps + step
+    if not 0 <= index < n_steps:
+        raise ValueError(f"step {step} is out of range: the trace holds {n_steps} step(s)")
+    units = data["units"]
+    t0 = min(r["steps"][index][0] for r in ranks)  # ranks share a clock (see trace's doc)
+    view_ranks, merged = [], []
+    for r in ranks:
+        start, end = r["steps"][index]
+        events = [e for e in r["events"] if start <= e[0] <= end]
+        spans = [s for s in T.spans(r, units) if s["start"] < end and s["end"] > start]
+        for s in spans:
+            s["start"], s["end"] = _rel(max(s["start"], start), t0), _rel(min(s["end"], end), t0)
+        _depths(spans)
+        lanes = {
+            track: T.lanes([s for s in spans if s["track"] == track])
+            for track in ("gather", "reduce")
+        }
+        memory = [
+            [_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"
+        ]
+        initial = _states_before(r["events"], start, units)
+        view_ranks.append(
+            {
+                "rank": r["rank"],
+                "spans": spans,
+                "lanes": lanes,
+                "memory": memory,
+                "initial": initial,
+                "start": _rel(start, t0),
+                "end": _rel(end, t0),
+            }
+        )
+        for e in events:
+            if e[1] in MECHANISM_EVENTS:
+                merged.append([_rel(e[0], t0), r["rank"], e[1], e[2], *e[3:4]])
+    merged.sort(key=lambda e: (e[0], e[1]))
+    return {
+        "title": _title(data),
+        "step": index,
+        "steps": n_steps,
+        "world_size": data["world_size"],
+        "strategy": data["strategy"],
+        "categories": data["categories"],
+        "units": [u["name"] for u in units],
+        "unit_kinds": [u["kind"] for u in units],
+        "duration": max(v["end"] for v in view_ranks),
+        "ranks": view_ranks,
+        "events": merged,
+        "figures": figures(data, index),
+    }
+
+
+# the events that change what the mechanism view shows
+MECHANISM_EVENTS = (
+    "forward",
+    "backward",
+    "optimizer",
+    "gather_issue",
+    "gather_done",
+    "reshard",
+    "reduce_issue",
+    "reduce_done",
+    "reduce_complete",
+    "step_end",
+)
+
+
+def _rel(t: float, t0: float) -> float:
+    return round(t - t0, 7)
+
+
+def _depths(spans: list[dict]) -> None:
+    """Nesting depth of each compute span (a unit's forward inside the root's forward)."""
+    stack: list[float] = []
+    for s in spans:
+        if s["track"] != "compute":
+            continue
+        while stack and stack[-1] <= s["start"]:
+            stack.pop()
+        s["depth"] = len(stack)
+        stack.append(s["end"])
+
+
+def _states_before(events: list[list], t: float, units: list[dict]) -> list[str]:
+    """Each unit's state on one rank just before time ``t``: replays the rank's events."""
+    states = ["whole" if u["kind"] == "replicated" else "sharded" for u in units]
+    for e in events:
+        if e[0] >= t:
+            break
+        if e[2] < 0 or units[e[2]]["kind"] == "replicated":
+            continue
+        if e[1] == "gather_issue":
+            states[e[2]] = "gathering"
+        elif e[1] == "gather_done":
+            states[e[2]] = "gathered"
+        elif e[1] == "reshard":
+            states[e[2]] = "sharded"
+    return states
+
+
+def figures(data: dict, index: int) -> dict:
+    """Bytes each rank sent in the step against theory, and memory against DDP."""
+    n = data["world_size"]
+    units = data["units"]
+    psi = sum(u["params"] for u in units)
+    b_gather = _ITEM[data["precision"]["param_dtype"]]
+    b_reduce = _ITEM[data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"]]
+    gathers = {"full_shard": 2, "shard_grad_op": 1, "no_shard": 0}[data["strategy"]]
+    if data["strategy"] == "no_shard":
+        theory = {
+            "all_gather": 0,
+            "reduce_scatter": 0,
+            "all_reduce": 2 * psi * b_reduce * (n - 1) // n,
+        }
+        formula = "2*psi*b*(N-1)/N"
+    else:
+        theory = {
+            "all_gather": gathers * psi * b_gather * (n - 1) // n,
+            "reduce_scatter": psi * b_reduce * (n - 1) // n,
+            "all_reduce": 0,
+        }
+        formula = f"({gathers}*b_gather + b_reduce)*psi*(N-1)/N"
+    sent, blocked, comm_time, step_time = [], [], [], []
+    for r in data["ranks"]:
+        start, end = r["steps"][index]
+        by_kind = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
+        wait = 0.0
+        for e in r["events"]:
+            if e[1] == "collective" and start <= e[0] <= end:
+                kind, payload = e[3], e[4]
+                if kind in by_kind:
+                    by_kind[kind] += (2 if kind == "all_reduce" else 1) * payload * (n - 1) // n
+                wait += e[6]
+        spans = [
+            s for s in T.spans(r, units) if s["track"] != "compute" and start <= s["start"] <= end
+        ]
+        sent.append(by_kind)
+        blocked.append(round(wait, 7))
+        comm_time.append(round(sum(s["end"] - s["start"] for s in spans), 7))
+        step_time.append(round(end - start, 7))
+    by_rank: dict[int, list[dict]] = {}
+    for row in T.summary(data):
+        by_rank.setdefault(row["rank"], []).append(row)
+    peaks = {}
+    for rank, rows in by_rank.items():  # the compute device's peak; host memory apart
+        dev = next((d for d in rows if d["device"] != "cpu"), rows[0])
+        host = next((d for d in rows if d is not dev), None)
+        peaks[rank] = {
+            "peak": dev["peak"],
+            "host": host["peak"] if host else 0,
+            "model_state": sum(d["model_state"] for d in rows),
+        }
+    opt_total = 0
+    for r in data["ranks"]:
+        ends = [
+            m for m in r["memory"] if any(e[1] == "step_end" and e[0] == m[0] for e in r["events"])
+        ]
+        if ends:
+            opt_total += max(m[2 + data["categories"].index("optimizer")] for m in ends)
+    master = sum(u["params"] * _ITEM[u["dtype"]] for u in units)
+    ddp_state = 2 * master + opt_total  # whole parameters and gradients, all of the state
+    return {
+        "psi": psi,
+        "formula": formula,
+        "theory": theory,
+        "sent": sent,
+        "blocked_s": blocked,
+        "comm_s": comm_time,
+        "step_s": step_time,
+        "peak": [peaks[r["rank"]]["peak"] for r in data["ranks"]],
+        "host": [peaks[r["rank"]]["host"] for r in data["ranks"]],
+        "model_state": [peaks[r["rank"]]["model_state"] for r in data["ranks"]],
+        "ddp_model_state": ddp_state,
+    }
+
+
+def _title(data: dict) -> str:
+    p = data["precision"]
+    precision = p["param_dtype"] or "fp32"
+    return (
+        f"{data['strategy']} on {data['world_size']} rank{'s' * (data['world_size'] > 1)}, "
+        f"{len(data['units'])} units, {sum(u['params'] for u in data['units']):,} parameters, "
+        f"compute {precision}{', cpu offload' if data['cpu_offload'] else ''}"
+    )
+
+
+def render(view: dict) -> str:
+    """The page: the template with the view inlined as JSON."""
+    template = resources.files("shardwise.tools").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    payload = json.dumps(view, separators=(",", ":")).replace("</", "<\\/")
+    return template.replace("/*__SHARDWISE_DATA__*/null", payload)
+
+
+def write(trace_data: dict, out: str | Path, step: int = -1) -> Path:
+    """Build the page for one step of ``trace_data`` and write it to ``out``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(build(trace_data, step)), encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="shardwise report",
+        description="an HTML page of one traced step: timeline, memory, mechanism, figures",
+    )
+    ap.add_argument("trace", help="a compact trace written by shardwise.trace(...).save()")
+    ap.add_argument("-o", "--output", default="report.html")
+    ap.add_argument("--step", type=int, default=-1, help="which recorded step (default: the last)")
+    ap.add_argument(
+        "--chrome", help="also write the trace in Chrome's format here (Perfetto, chrome://tracing)"
+    )
+    a = ap.parse_args(argv)
+    data = T.load(a.trace)
+    path = write(data, a.output, a.step)
+    print(f"wrote {path}")
+    if a.chrome:
+        Path(a.chrome).write_text(json.dumps(T.to_chrome(data)))
+        print(f"wrote {a.chrome}")

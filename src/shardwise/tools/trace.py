@@ -1,0 +1,693 @@
+"""The tracer: what every rank did and held during a run, event by event.
+
+    with shardwise.trace(model, optimizer) as t:
+        for step in range(3):
+            model(x, y).backward(); optimizer.step(); optimizer.zero_grad()
+    if dist.get_rank() == 0:
+        t.save("run.trace.json")           # the compact trace `shardwise report` reads
+        t.save_chrome("run.chrome.json")   # Perfetto / chrome://tracing
+
+Spans come from the life-cycle events of ``shardwise.events`` (compute of each unit in each
+pass, gathers, reshards, reductions) plus the optimizer's step. A communication span runs from
+its issue to the moment the tracer first saw it complete: at the next life-cycle event, or at
+the wait, whichever came first (an upper bound of the transfer's end).
+
+Memory by category is sampled at every event, and the highest total between two samples is
+kept too. Note [memory categories]: parameter shards, gathered parameters, gradients and
+optimizer state are read from the tensors themselves (storage sizes of each unit's buffers, of
+every ``.grad`` and of the optimizer's state); activations are everything else that the traced
+code allocated and still holds: a dispatch mode (``LiveBytes``) counts the storage of every
+tensor an operator creates until the storage is freed, and activations are that count minus
+the tracked storages that belong to the other categories (on CUDA: the caching allocator's
+``memory_allocated`` minus the categories, and its peak counter between samples, which the
+tracer resets). It includes autograd's saved
+tensors and short-lived temporaries such as activation gradients. Tensors allocated before the
+trace began count only where they belong to a category (e.g. shards, existing optimizer state).
+
+Clocks: every rank passes a barrier on entry and counts time from there, so ranks line up to
+within the barrier's skew.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections import deque
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import events, groups
+from ..api import _runtime
+from ..collectives import comm_stats
+from ..runtime import Phase
+from ..unit import ShardedUnit, Unit
+
+FORMAT = "shardwise-trace"
+VERSION = 1
+CATEGORIES = ("param_shards", "gathered", "gradients", "optimizer", "activations")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes held by the storages that operators allocate while active, per device type.
+
+    A storage counts from the operator that created it (an output whose storage is not one of
+    the operator's inputs) until it is freed. ``base`` holds bytes known from elsewhere (set by
+    the caller); ``peak`` is the highest ``live + base`` seen after any operator since the last
+    ``take_peak``. Frees may come from other threads (a collective's worker dropping its
+    buffers), so they are queued and folded in on the owning thread.
+    """
+
+    def __init__(self):
+        super().__init__()
+        # id(storage) -> (device type, bytes, weak reference whose callback books the free)
+        self.sizes: dict[int, tuple[str, int, weakref.ref]] = {}
+        self._freed: deque[tuple[str, int]] = deque()
+        self.base: dict[str, int] = {}
+        self._live: dict[str, int] = {}
+        self._peak: dict[str, int] = {}
+
+    def _on_free(self, key: int, _ref) -> None:
+        entry = self.sizes.pop(key, None)
+        if entry is not None:
+            self._freed.append(entry[:2])
+
+    def live(self) -> dict[str, int]:
+        """Bytes of the storages allocated under this mode that are still alive."""
+        while self._freed:
+            dev, n = self._freed.popleft()
+            self._live[dev] -= n
+        return self._live
+
+    def take_peak(self) -> dict[str, int]:
+        """The peak since the last call, which restarts from the current total."""
+        live = self.live()
+        peak = {
+            d: max(self._peak.get(d, 0), live.get(d, 0) + self.base.get(d, 0))
+            for d in set(live) | set(self.base) | set(self._peak)
+        }
+        self._peak = {d: live.get(d, 0) + self.base.get(d, 0) for d in peak}
+        return peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        inputs = None
+        grew = False
+        for t in _tensors(out):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no plain storage
+                continue
+            key = id(st)
+            if key in self.sizes:
+                continue
+            if inputs is None:
+                inputs = {
+                    id(a.untyped_storage()) for a in _tensors(args) if a.layout == torch.strided
+                }
+                if kwargs:
+                    inputs.update(
+                        id(a.untyped_storage())
+                        for a in _tensors(tuple(kwargs.values()))
+                        if a.layout == torch.strided
+                    )
+            if key in inputs:  # in place, out= or a view: no new memory
+                continue
+            dev, n = t.device.type, st.nbytes()
+            self.sizes[key] = (dev, n, weakref.ref(st, partial(self._on_free, key)))
+            self._live[dev] = self._live.get(dev, 0) + n
+            grew = True
+        if grew:
+            for dev, n in self.live().items():
+                total = n + self.base.get(dev, 0)
+                if total > self._peak.get(dev, 0):
+                    self._peak[dev] = total
+        return out
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors of an operator's output or arguments (tensors, or sequences of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        found = []
+        for o in obj:
+            if isinstance(o, torch.Tensor):
+                found.append(o)
+            elif isinstance(o, (tuple, list)):
+                found += [x for x in o if isinstance(x, torch.Tensor)]
+        return found
+    return []
+
+
+Storages = dict[int, tuple[str, torch.UntypedStorage]]  # id(storage) -> (category, storage)
+
+
+def _add(out: Storages, category: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.device.type != "meta":
+        st = t.untyped_storage()
+        out.setdefault(id(st), (category, st))
+
+
+class _Known:
+    """The storages of this rank's units and optimizer that belong to a memory category (see
+    Note [memory categories]). What changes only at known points is summed when it changes:
+    parameter shards never, optimizer state at its step, shard gradients when they land and
+    at a step's start and end. Gathered buffers, reduction buffers and the gradients of a unit
+    in backward are read at every sample."""
+
+    def __init__(self, units: list[Unit], optimizer: torch.optim.Optimizer | None, runtime, probe):
+        self.units, self.optimizer, self.runtime, self.probe = units, optimizer, runtime, probe
+        self.shards: Storages = {}
+        for u in units:
+            for p in [u.flat_shard] if isinstance(u, ShardedUnit) else u.params:
+                _add(self.shards, "param_shards", p)
+        self.opt: Storages = {}
+        self.grads: dict[int, Storages] = {}
+        self.refresh()
+
+    def refresh(self, unit: int | None = None) -> None:
+        """Re-read shard gradients (of one unit, or all) and, for all, the optimizer state."""
+        for i in range(len(self.units)) if unit is None else [unit]:
+            u, g = self.units[i], {}
+            for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
+                _add(g, "gradients", p.grad)
+            self.grads[i] = g
+        if unit is None and self.optimizer is not None:
+            self.opt = {}
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        _add(self.opt, "optimizer", v)
+        cached: Storages = {**self.shards, **self.opt}
+        for g in self.grads.values():
+            cached.update(g)
+        self.cached_ids = set(cached)
+        self.cached = _Sums()
+        self.cached.add_all(cached, self.probe)
+
+    def dynamic(self) -> Storages:
+        """The buffers that come and go within a step (those not summed in ``cached``)."""
+        out: Storages = {}
+        accumulating = not self.runtime.sync_grads
+        for u in self.units:
+            if isinstance(u, ShardedUnit):
+                _add(out, "gathered", u.flat_full)  # the shard itself where a unit aliases it
+                _add(out, "gathered", u._gathered)
+                _add(out, "gathered", u._send)
+                _add(out, "gradients", u._reduce_out)
+                for g in getattr(u, "_local_grads", None) or ():  # one rank: no reduction
+                    _add(out, "gradients", g)
+                if u.grads_ready or accumulating:  # full gradients exist only in backward
+                    for p in u.full_params:
+                        _add(out, "gradients", p.grad)
+            else:
+                if u.casts:
+                    for c in u.full_params:
+                        _add(out, "gathered", c)
+                        _add(out, "gradients", c.grad)
+                if u.grads_ready:
+                    for p in u.params:
+                        _add(out, "gradients", p.grad)
+                _add(out, "gradients", u._bucket)
+        for key in self.cached_ids.intersection(out):
+            del out[key]
+        return out
+
+
+class _Sums:
+    """Bytes per device: by category, and split into what the probe counts (``tracked``) and
+    what it does not (``base``: allocated before the trace began)."""
+
+    def __init__(self):
+        self.cats: dict[str, dict[str, int]] = {}
+        self.tracked: dict[str, int] = {}
+        self.base: dict[str, int] = {}
+
+    def add_all(self, storages: Storages, probe: LiveBytes | None) -> None:
+        sizes = probe.sizes if probe is not None else {}
+        for key, (cat, st) in storages.items():
+            n, dev = st.nbytes(), st.device.type
+            if dev not in self.cats:
+                self.cats[dev] = dict.fromkeys(CATEGORIES, 0)
+            self.cats[dev][cat] += n
+            split = self.tracked if key in sizes else self.base
+            split[dev] = split.get(dev, 0) + n
+
+    def plus(self, other: _Sums) -> _Sums:
+        out = _Sums()
+        for src in (self, other):
+            for dev, c in src.cats.items():
+                mine = out.cats.setdefault(dev, dict.fromkeys(CATEGORIES, 0))
+                for k, v in c.items():
+                    mine[k] += v
+            for name in ("tracked", "base"):
+                d = getattr(out, name)
+                for dev, v in getattr(src, name).items():
+                    d[dev] = d.get(dev, 0) + v
+        return out
+
+
+class Trace:
+    """Records this rank's events and memory while entered; on exit every rank's record is
+    gathered, so ``data`` (the compact trace) is complete on every rank. Entering and leaving
+    are collective: every rank must do both."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.runtime = _runtime(model)
+        self.model, self.optimizer = model, optimizer
+        self.units = self.runtime.units
+        self.index = {u.label: i for i, u in enumerate(self.units)}
+        self.data: dict | None = None
+        self._events: list[list] = []
+        self._memory: list[list] = []
+        self._steps: list[list[float]] = []
+        self._device = groups.device()
+        # Note [memory categories]: on CUDA the allocator's counters, elsewhere a dispatch mode
+        self._probe = LiveBytes() if self._device.type != "cuda" else None
+        self._handles = []
+        self._flight: dict[int, tuple[str, int, object]] = {}  # id(Pending) -> stream, unit, it
+        self._t0 = 0.0
+
+    # --- recording
+    def __enter__(self) -> Trace:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        self._t0 = time.perf_counter()
+        self._comm0 = comm_stats()
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._on_root_forward, prepend=True)
+        )
+        if self.optimizer is not None:
+            self._handles.append(
+                self.optimizer.register_step_pre_hook(
+                    lambda *a: self._event("optimizer", -1, edge="begin")
+                )
+            )
+            self._handles.append(
+                self.optimizer.register_step_post_hook(
+                    lambda *a: self._event("optimizer", -1, edge="end")
+                )
+            )
+        self._known = _Known(self.units, self.optimizer, self.runtime, self._probe)
+        if self._probe is not None:
+            self._probe.__enter__()
+        else:
+            torch.cuda.reset_peak_memory_stats(self._device)
+        events.listen(self._on_event)
+        self._sample(time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        events.unlisten(self._on_event)
+        self._known.refresh()  # e.g. gradients freed by zero_grad since the last event
+        self._sample(time.perf_counter())
+        if self._probe is not None:
+            self._probe.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        if self._steps:
+            self._steps[-1][1] = self._rel(time.perf_counter())
+        if exc[0] is None:
+            self.data = self._gather()
+
+    def _rel(self, t: float) -> float:
+        return round(t - self._t0, 7)
+
+    def _on_root_forward(self, module, args) -> None:
+        if torch.is_grad_enabled() and self.runtime.phase is not Phase.BACKWARD:
+            self._event("step_begin", -1)
+
+    def _event(self, name: str, unit: int, **fields) -> None:
+        self._record(name, unit, time.perf_counter(), fields)
+
+    def _on_event(self, name: str, unit: str, t: float, **fields) -> None:
+        self._record(name, self.index.get(unit, -1), t, fields)
+
+    def _record(self, name: str, unit: int, t: float, fields: dict) -> None:
+        rel = self._rel(t)
+        if name == "step_begin" or (not self._steps and name != "optimizer"):
+            if self._steps:
+                self._steps[-1][1] = rel
+            self._steps.append([rel, rel])
+            if name == "step_begin":
+                self._known.refresh()
+                return
+        if name in ("optimizer", "step_end"):
+            self._known.refresh()
+        elif name == "reduce_done":
+            self._known.refresh(unit)
+        ev = [rel, name, unit]
+        if name in ("forward", "backward", "optimizer"):
+            ev.append(fields["edge"])
+        elif name in ("gather_issue", "reduce_issue"):
+            ev.append(fields["bytes"])
+        elif name == "collective":
+            ev += [
+                fields["kind"],
+                fields["bytes"],
+                self._rel(fields["t_issue"]),
+                round(fields["wait_s"], 7),
+            ]
+        self._events.append(ev)
+        if name in ("gather_issue", "reduce_issue") and unit >= 0:
+            p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
+            if p is not None:
+                self._flight[id(p)] = (name.split("_")[0], unit, p)
+        self._poll(rel)
+        self._sample(t)
+
+    def _poll(self, rel: float) -> None:
+        """Note the collectives that completed since the last event (see the module doc)."""
+        for key, (stream, unit, p) in list(self._flight.items()):
+            if (
+                p._done or p.work is None or p.work.is_completed()
+            ):  # Gloo's reduce-scatter: only at the wait
+                del self._flight[key]
+                self._events.append([rel, stream + "_complete", unit])
+
+    def _sample(self, t: float) -> None:
+        """One memory sample per device: categories, and the peak total since the last one."""
+        now = _Sums()
+        now.add_all(self._known.dynamic(), self._probe)
+        sums = self._known.cached.plus(now)
+        cats, tracked, base = sums.cats, sums.tracked, sums.base
+        if self._probe is not None:
+            for dev, n in self._probe.live().items():
+                cats.setdefault(dev, dict.fromkeys(CATEGORIES, 0))["activations"] = n - tracked.get(
+                    dev, 0
+                )
+            self._probe.base = base
+            peak = self._probe.take_peak()
+        else:  # CUDA: the caching allocator counts every tensor of the device
+            dev = self._device
+            total = torch.cuda.memory_allocated(dev)
+            peak = {"cuda": max(torch.cuda.max_memory_allocated(dev), total)}
+            torch.cuda.reset_peak_memory_stats(dev)
+            d = cats.setdefault("cuda", dict.fromkeys(CATEGORIES, 0))
+            d["activations"] = max(0, total - base.get("cuda", 0))
+        rel = self._rel(t)
+        for dev, d in sorted(cats.items()):
+            if dev != "meta":
+                self._memory.append(
+                    [rel, dev, *(d[c] for c in CATEGORIES), peak.get(dev, sum(d.values()))]
+                )
+
+    # --- results
+    def _gather(self) -> dict:
+        stats = comm_stats()
+        comm = {
+            k: {
+                "calls": v.calls - self._comm0[k].calls,
+                "bytes": v.bytes - self._comm0[k].bytes,
+                "seconds": round(v.seconds - self._comm0[k].seconds, 7),
+                "wait_seconds": round(v.wait_seconds - self._comm0[k].wait_seconds, 7),
+            }
+            for k, v in stats.items()
+        }
+        mine = {
+            "rank": dist.get_rank(),
+            "events": self._events,
+            "memory": self._memory,
+            "steps": self._steps,
+            "comm": comm,
+        }
+        world = dist.get_world_size()
+        ranks = [None] * world
+        if world > 1:
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": world,
+            "strategy": self.runtime.strategy,
+            "precision": {
+                "param_dtype": _dtype(self.runtime.precision.param_dtype),
+                "reduce_dtype": _dtype(self.runtime.precision.reduce_dtype),
+            },
+            "cpu_offload": any(getattr(u, "offloaded", False) for u in self.units),
+            "categories": list(CATEGORIES),
+            "units": [_unit_info(u) for u in self.units],
+            "ranks": ranks,
+        }
+
+    def _require(self) -> dict:
+        if self.data is None:
+            raise RuntimeError("the trace is complete only after its `with` block has ended")
+        return self.data
+
+    def save(self, path: str | Path) -> Path:
+        """Write the compact trace (the input of ``shardwise report``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self._require(), separators=(",", ":")))
+        return path
+
+    def save_chrome(self, path: str | Path) -> Path:
+        """Write the trace in Chrome's trace event format (Perfetto, chrome://tracing)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(to_chrome(self._require())))
+        return path
+
+
+def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Trace:
+    """Record, on every rank, each unit's gathers, reshards, reductions and compute and the
+    memory held by category, for as long as the returned context is entered.
+
+    ``model`` is a model that ``shardwise.shard()`` returned; with ``optimizer`` its step is
+    traced and its state counted. Nothing is installed outside the ``with`` block, so a run
+    that is not traced pays nothing. Entering and leaving are collective calls.
+    """
+    return Trace(model, optimizer)
+
+
+def _dtype(d: torch.dtype | None) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
+def _unit_info(u: Unit) -> dict:
+    if isinstance(u, ShardedUnit):
+        item = u.compute_dtype.itemsize
+        return {
+            "name": u.label,
+            "kind": "sharded",
+            "dtype": _dtype(u.flat_shard.dtype),
+            "params": u.layout.numel,
+            "shard_bytes": u.flat_shard.numel() * u.flat_shard.element_size(),
+            "gathered_bytes": u.layout.unsharded_numel * item,
+        }
+    numel = sum(p.numel() for p in u.params)
+    return {
+        "name": u.label,
+        "kind": "replicated",
+        "dtype": _dtype(u.params[0].dtype) if u.params else "float32",
+        "params": numel,
+        "shard_bytes": sum(p.numel() * p.element_size() for p in u.params),
+        "gathered_bytes": numel * u.compute_dtype.itemsize if u.casts else 0,
+    }
+
+
+# --- reading a trace
+def load(path: str | Path) -> dict:
+    """Read a compact trace, checking that it is one."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a shardwise trace (write one with shardwise.trace(...).save())"
+        )
+    if data.get("version") != VERSION:
+        raise ValueError(
+            f"{path} is a version {data.get('version')} trace; this shardwise reads {VERSION}"
+        )
+    return data
+
+
+def spans(rank: dict, units: list[dict]) -> list[dict]:
+    """Every span of one rank: compute (forward/backward of a unit, the optimizer step) and
+    communication (gather, reduce), each with start, end, track and label."""
+    out: list[dict] = []
+    open_compute: dict[tuple[str, int], float] = {}
+    issued: dict[tuple[str, int], list] = {}
+    end = rank["steps"][-1][1] if rank["steps"] else 0.0
+
+    def name(i: int) -> str:
+        return units[i]["name"] if i >= 0 else ""
+
+    for ev in rank["events"]:
+        t, kind, unit = ev[0], ev[1], ev[2]
+        if kind in ("forward", "backward", "optimizer"):
+            key = (kind, unit)
+            if ev[3] == "begin":
+                open_compute[key] = t
+            elif key in open_compute:
+                out.append(_span("compute", kind, name(unit), open_compute.pop(key), t))
+        elif kind == "step_end":
+            for (k, u), t0 in list(open_compute.items()):  # the root's backward ends here
+                if k == "backward":
+                    out.append(_span("compute", k, name(u), t0, t))
+                    del open_compute[(k, u)]
+        elif kind in ("gather_issue", "reduce_issue"):
+            stream = kind.split("_")[0]
+            issued.setdefault((stream, unit), []).append([t, None, ev[3], None])
+        elif kind in ("gather_complete", "reduce_complete"):
+            _close(issued, (kind.split("_")[0], unit), t)
+        elif kind == "collective":
+            stream = (
+                "gather"
+                if ev[3] == "all_gather"
+                else "reduce"
+                if ev[3] in ("reduce_scatter", "all_reduce")
+                else None
+            )
+            if stream is not None:
+                _close(issued, (stream, unit), t, wait=ev[6], kind=ev[3])
+    for (stream, unit), items in issued.items():
+        for t0, t1, nbytes, wait in items:
+            s = _span(stream, stream, name(unit), t0, t1 if t1 is not None else end)
+            s.update(bytes=nbytes, wait=wait or 0.0)
+            out.append(s)
+    for (k, u), t0 in open_compute.items():
+        out.append(_span("compute", k, name(u), t0, end))
+    out.sort(key=lambda s: (s["start"], -s["end"]))
+    return out
+
+
+def _span(track: str, kind: str, unit: str, start: float, end: float) -> dict:
+    return {"track": track, "kind": kind, "unit": unit, "start": start, "end": max(start, end)}
+
+
+def _close(
+    issued: dict, key: tuple[str, int], t: float, wait: float | None = None, kind: str | None = None
+) -> None:
+    """Give the earliest open (or waiting) span of ``key`` its end and, at the wait, its wait."""
+    for item in issued.get(key, []):
+        if wait is not None and item[3] is None:
+            item[1] = t if item[1] is None else min(item[1], t)
+            item[3] = wait
+            return
+        if wait is None and item[1] is None:
+            item[1] = t
+            return
+
+
+def lanes(track_spans: list[dict]) -> int:
+    """Give each span of one track a ``lane`` so that spans in a lane never overlap (a
+    reduction issued while another is in flight goes one lane down); returns how many."""
+    ends: list[float] = []
+    for s in sorted(track_spans, key=lambda s: s["start"]):
+        lane = next((i for i, e in enumerate(ends) if e <= s["start"]), len(ends))
+        if lane == len(ends):
+            ends.append(s["end"])
+        ends[lane] = s["end"]
+        s["lane"] = lane
+    return max(1, len(ends))
+
+
+def to_chrome(data: dict) -> dict:
+    """The trace in Chrome's trace event format: one process per rank; one thread for compute
+    and one per lane of each communication stream (see ``lanes``); complete events in
+    microseconds; memory counters per device."""
+    names = {"compute": "compute", "gather": "all-gather", "reduce": "reduce-scatter / all-reduce"}
+    base = {"compute": 0, "gather": 100, "reduce": 200}
+    out = []
+    for r in data["ranks"]:
+        pid = r["rank"]
+        out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {pid}"}})
+        out.append(
+            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}
+        )
+        every = spans(r, data["units"])
+        for track in names:
+            mine = [s for s in every if s["track"] == track]
+            n = lanes(mine) if track != "compute" else 1
+            for lane in range(n):
+                label = names[track] + (f" ({lane + 1})" if lane else "")
+                out.append(
+                    {
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": base[track] + lane,
+                        "name": "thread_name",
+                        "args": {"name": label},
+                    }
+                )
+                out.append(
+                    {
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": base[track] + lane,
+                        "name": "thread_sort_index",
+                        "args": {"sort_index": base[track] + lane},
+                    }
+                )
+        for s in every:
+            label = f"{s['kind']} {s['unit']}".strip()
+            ev = {
+                "ph": "X",
+                "pid": pid,
+                "tid": base[s["track"]] + s.get("lane", 0),
+                "name": label,
+                "cat": s["track"],
+                "ts": round(s["start"] * 1e6, 3),
+                "dur": round((s["end"] - s["start"]) * 1e6, 3),
+            }
+            if "bytes" in s:
+                ev["args"] = {"bytes": s["bytes"], "blocked_us": round(s["wait"] * 1e6, 3)}
+            out.append(ev)
+        for sample in r["memory"]:
+            t, dev, *values, _peak = sample
+            out.append(
+                {
+                    "ph": "C",
+                    "pid": pid,
+                    "name": f"memory {dev} (MiB)",
+                    "ts": round(t * 1e6, 3),
+                    "args": {c: round(v / 2**20, 4) for c, v in zip(data["categories"], values)},
+                }
+            )
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def summary(data: dict) -> list[dict]:
+    """Per rank and device: the measured peak (highest total between any two operators), the
+    categories at the sample where the total was highest, and the model state (parameter
+    shards, gradients and optimizer state) at its highest at a step's end."""
+    cats = data["categories"]
+    out = []
+    for r in data["ranks"]:
+        by_dev: dict[str, dict] = {}
+        ends = {e[0] for e in r["events"] if e[1] == "step_end"}
+        for sample in r["memory"]:
+            t, dev, *values, peak = sample
+            d = by_dev.setdefault(
+                dev,
+                {
+                    "rank": r["rank"],
+                    "device": dev,
+                    "peak": 0,
+                    "at_peak": None,
+                    "model_state": 0,
+                    "_top": -1,
+                },
+            )
+            total = sum(values)
+            d["peak"] = max(d["peak"], peak, total)
+            if total > d["_top"]:
+                d["_top"], d["at_peak"] = total, dict(zip(cats, values))
+            if t in ends:
+                v = dict(zip(cats, values))
+                d["model_state"] = max(
+                    d["model_state"], v["param_shards"] + v["gradients"] + v["optimizer"]
+                )
+        for d in by_dev.values():
+            del d["_top"]
+            out.append(d)
+    return out
