@@ -34,15 +34,6 @@ def environment() -> dict[str, str | int]:
     return env
 
 
-def reinit_from_env(timeout: float) -> float:
-    """What launched code does: leave the group and join a new one through env://."""
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
-
-
 def rank_tensor() -> torch.Tensor:
     return torch.arange(3.0) + dist.get_rank()
 
@@ -129,13 +120,6 @@ def test_workers_have_a_launcher_environment(pools) -> None:
         assert env["threads"] == 1
         assert env["backend"] == "gloo"
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
-
-
-def test_code_can_rejoin_through_env() -> None:
-    # a pool of its own: leaving and re-joining the group must not disturb the shared pools
-    with WorkerPool(2, timeout=60) as pool:
-        assert pool.run(reinit_from_env, pool.group_timeout) == [2.0, 2.0]
-        assert pool.run(rank_and_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_tensors_come_back(pools) -> None:
