@@ -40,7 +40,7 @@ class TrainConfig:
     nproc: int = 0  # ranks to launch on this machine (0: one per GPU, else 2)
     strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard
     wrap: str = "block"  # block (one unit per transformer block) | size | none (root only)
-    steps: int = 300  # optimizer steps
+    steps: int = 200  # optimizer steps
     batch_size: int = 4  # sequences per rank per step
     model_size: str = "small"  # tiny | small | medium | large
     seq_len: int = 64  # tokens per sequence
