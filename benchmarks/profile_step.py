@@ -1,0 +1,69 @@
+"""Profile a few steps of one benchmark system on every rank with torch.profiler.
+
+    torchrun --nproc_per_node 2 benchmarks/profile_step.py --system shardwise/full_shard --out prof
+
+Builds the system exactly as ``shardwise bench`` does (same model, seed and batches), takes the
+warm-up steps, then profiles ``--steps`` steps. Rank 0 prints the operators by self CPU time;
+every rank writes a Chrome trace (open in https://ui.perfetto.dev) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from shardwise import groups
+from shardwise.tools import bench
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--system", choices=bench.SYSTEMS, default="shardwise/full_shard")
+    p.add_argument("--model", choices=bench.MODELS, default="small")
+    p.add_argument("--batch-size", type=int, default=bench.BenchConfig.batch_size)
+    p.add_argument("--seq-len", type=int, default=bench.BenchConfig.seq_len)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--stack", action="store_true", help="record Python stacks (slower)")
+    p.add_argument("--out", default="prof")
+    a = p.parse_args()
+    cfg = bench.BenchConfig(
+        model=a.model,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        steps=a.steps,
+        systems=(a.system,),
+    )
+    groups.init()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = groups.device()
+    work = bench.workload(cfg, rank, world, device)
+    mesh = None
+    if a.system.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+    model, opt, autocast = bench.build_system(a.system, cfg, work, device, mesh)
+    for x, y in work.batches[: cfg.warmup]:
+        bench.train_step(model, opt, autocast, work, x, y)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=a.stack) as prof:
+        for i, (x, y) in enumerate(work.batches[cfg.warmup :]):
+            dist.barrier()
+            with record_function(f"step{i}"):
+                bench.train_step(model, opt, autocast, work, x, y)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"{a.system.replace('/', '-')}-rank{rank}.json"))
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

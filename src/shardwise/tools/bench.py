@@ -1,0 +1,799 @@
+"""Benchmark shardwise against PyTorch's FSDP2, DDP and the compute floor, in one run.
+
+    shardwise bench --model small --nproc 2              # local ranks on CPU (Gloo), or:
+    torchrun --nproc_per_node 8 -m shardwise bench --model large --mixed-precision bf16
+
+Every rank runs every system in alternation (A B C A B C ...) for several rounds: each visit
+builds the system from the same seed, takes ``warmup`` untimed steps and ``steps`` timed ones on
+the same batches, and frees it, so only one system's state is alive at a time. The compute
+floor is the plain model on the per-rank batch with no communication, run on every rank at once
+so that CPU contention matches. A step is forward, backward and ``AdamW.step()``; its time is
+the slowest rank's. After the rounds, one more visit per system counts bytes and peak memory:
+a dispatch mode sees every ``c10d`` collective of every system alike (bytes booked as a ring
+moves them, as ``shardwise.comm_stats`` books its own), and memory is torch's ``MemTracker`` on
+CPU or ``torch.cuda.max_memory_allocated`` on CUDA. First-step losses must agree across systems.
+Results: a markdown table on stdout, ``bench.json``, ``bench.md`` and ``bench.png`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import struct
+import sys
+import time
+import uuid
+import warnings
+import zlib
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYSTEMS = (
+    "floor",
+    "ddp",
+    "shardwise/no_shard",
+    "fsdp2/full_shard",
+    "shardwise/full_shard",
+    "fsdp2/shard_grad_op",
+    "shardwise/shard_grad_op",
+)
+MODELS = ("tiny", "small", "medium", "large", "mlp")
+MLP_DIMS = [1024] * 9  # 8 Linear(1024, 1024) layers: 8.4M parameters
+REDOS = 3  # times a visit is run again when other processes took more than --quiet of the CPU
+QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Options of ``shardwise bench`` (each field's comment doubles as its CLI help)."""
+
+    model: str = "small"  # built-in GPT size (tiny|small|medium|large) or mlp (an MLPStack)
+    nproc: int = 2  # ranks to launch on this machine (ignored under torchrun)
+    batch_size: int = 4  # sequences (GPT) or rows (mlp) per rank per step
+    seq_len: int = 128  # tokens per sequence (GPT)
+    rounds: int = 6  # visits of each system, in alternation
+    steps: int = 3  # timed steps per visit
+    warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
+    systems: tuple[str, ...] = SYSTEMS  # which systems to run (comma-separated on the CLI)
+    mixed_precision: str = (
+        "none"  # none | bf16 (shardwise and FSDP2 policies; autocast for DDP/floor)
+    )
+    seed: int = 0  # model initialisation and data
+    threads: int = 1  # intra-op threads per rank (OMP_NUM_THREADS)
+    out: str = "bench-out"  # directory for bench.json, bench.md and bench.png
+    quiet: float = 0.10  # redo a visit if other processes took more of the CPU (1: never)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}: use one of {', '.join(MODELS)}")
+        if bad := [s for s in self.systems if s not in SYSTEMS]:
+            raise ValueError(f"unknown systems {bad}; valid: {', '.join(SYSTEMS)}")
+        if self.mixed_precision not in ("none", "bf16"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: use none or bf16")
+        if self.rounds < 1 or self.steps < 1 or self.warmup < 1:
+            raise ValueError("rounds, steps and warmup must each be at least 1")
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT size, or mlp")
+    p.add_argument(
+        "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank"
+    )
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (GPT)")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="visits of each system")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per visit")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per visit")
+    p.add_argument(
+        "--systems",
+        default=",".join(d.systems),
+        help="comma-separated subset of: " + ", ".join(SYSTEMS),
+    )
+    p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
+    p.add_argument("--out", default=d.out, help="output directory")
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=d.quiet,
+        help="redo a visit (up to 3 times) when other processes took more than this share of "
+        "the machine's CPU during it, and wait for such a quiet machine before each (1: never)",
+    )
+    a = vars(p.parse_args(argv))
+    a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
+    return BenchConfig(**a)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison: under torchrun in its ranks, else in ``--nproc`` local ranks."""
+    cfg = parse_args(argv)
+    if "RANK" in os.environ:
+        results = run_rank(cfg)
+        if dist.get_rank() == 0:
+            report(summarize(cfg, results), cfg.out)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.nproc,
+        run_id=f"shardwise-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)  # read by torch as each rank starts
+    results = elastic_launch(launch, run_rank)(cfg)[0]
+    report(summarize(cfg, results), cfg.out)
+
+
+# --------------------------------------------------------------------------- models and systems
+@dataclass
+class Workload:
+    """The model builder, wrap class and per-rank batches every system trains on."""
+
+    build: object  # () -> nn.Module, seeded
+    block: type[nn.Module]  # the class that shardwise and FSDP2 wrap
+    batches: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's (input, target) per step
+    loss: object  # (model, x, y) -> scalar loss
+    tokens_per_step: int  # over all ranks (rows, for mlp)
+    num_params: int
+    root_params: int  # parameters outside every block: the root unit's
+
+
+def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
+    """The model and data for ``cfg.model``: the same seed and batches on every system."""
+    from ..data import get_batch, rank_slice
+    from ..models import GPT, Block, Layer, MLPStack, gpt_config
+
+    n = cfg.warmup + cfg.steps
+    if cfg.model == "mlp":
+
+        def build() -> nn.Module:
+            return MLPStack(MLP_DIMS)
+
+        batches = []
+        for step in range(n):
+            g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+            x = torch.randn(cfg.batch_size * world, MLP_DIMS[0], generator=g)
+            y = torch.randn(cfg.batch_size * world, MLP_DIMS[-1], generator=g)
+            batches.append(
+                (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
+            )
+        block, tokens = Layer, cfg.batch_size * world
+
+        def loss(model, x, y):
+            return F.mse_loss(model(x), y)
+    else:
+        mcfg = gpt_config(cfg.model, seq_len=cfg.seq_len)
+
+        def build() -> nn.Module:
+            return GPT(mcfg)
+
+        batches = []
+        for step in range(n):
+            x, y = get_batch(step, cfg.batch_size * world, cfg.seq_len, seed=cfg.seed)
+            batches.append(
+                (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
+            )
+        block, tokens = Block, cfg.batch_size * world * cfg.seq_len
+
+        def loss(model, x, y):
+            return model(x, y)
+
+    torch.manual_seed(cfg.seed)
+    probe = build()
+    total = sum(p.numel() for p in probe.parameters())
+    in_blocks = {id(p) for m in probe.modules() if isinstance(m, block) for p in m.parameters()}
+    root = sum(p.numel() for p in probe.parameters() if id(p) not in in_blocks)
+    return Workload(build, block, batches, loss, tokens, total, root)
+
+
+def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh):
+    """A fresh model of system ``name`` from the seed, its AdamW, and the forward's context."""
+    from .. import api, wrap
+
+    torch.manual_seed(cfg.seed)
+    model = work.build().to(device)
+    bf16 = cfg.mixed_precision == "bf16"
+    autocast = contextlib.nullcontext
+    kind, _, strategy = name.partition("/")
+    if kind == "shardwise":
+        api.shard(
+            model,
+            wrap=wrap.by_class(work.block),
+            strategy=strategy,
+            mixed_precision="bf16" if bf16 else None,
+        )
+    elif kind == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
+        for m in model.modules():
+            if isinstance(m, work.block):
+                fully_shard(
+                    m, mesh=mesh, reshard_after_forward=strategy == "full_shard", mp_policy=mp
+                )
+        # the root keeps its default: not resharded after forward, as shardwise's root unit
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    elif kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    if bf16 and kind in ("ddp", "floor"):
+
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, autocast
+
+
+def train_step(model, opt, autocast, work: Workload, x, y) -> torch.Tensor:
+    with autocast():
+        loss = work.loss(model, x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- what each rank runs
+def run_rank(cfg: BenchConfig) -> dict:
+    """One rank's part: the timed rounds, then one counted visit per system. Returns every
+    rank's raw results and the workload's sizes (collective: call on every rank)."""
+    from .. import groups
+
+    groups.init()
+    torch.set_num_threads(cfg.threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = groups.device()
+    work = workload(cfg, rank, world, device)
+    mesh = None
+    if any(s.startswith("fsdp2") for s in cfg.systems):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+    out: dict[str, dict] = {s: {"visits": []} for s in cfg.systems}
+    for r in range(cfg.rounds):
+        for name in cfg.systems:
+            for attempt in range(1 + REDOS):
+                quiet = _wait_until_quiet(cfg.quiet)
+                visit = timed_visit(name, cfg, work, device, mesh)
+                visit["others_load"] = _others_load(visit)
+                if visit["others_load"] <= cfg.quiet or not quiet or attempt == REDOS:
+                    break  # (a machine that never fell quiet gets no redo: it would not help)
+            visit["attempts"] = attempt + 1
+            out[name]["visits"].append(visit)
+            if rank == 0:
+                print(
+                    f"round {r + 1}/{cfg.rounds} {name}: {1e3 * statistics.median(visit['times']):.1f} ms "
+                    f"(others {100 * visit['others_load']:.0f}%, try {attempt + 1})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    for name in cfg.systems:
+        out[name].update(counted_visit(name, cfg, work, device, mesh))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    return {
+        "ranks": everyone,
+        "num_params": work.num_params,
+        "root_params": work.root_params,
+        "tokens_per_step": work.tokens_per_step,
+        "device": device.type,
+        "machine": _machine(device.type),
+    }
+
+
+def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh) -> dict:
+    """Build ``name`` from the seed, run its warm-up and timed steps, free it; return the
+    step times, the first step's loss and, per timed step, this process's CPU seconds (all its
+    threads, Gloo's included) and the whole machine's busy CPU seconds (Linux)."""
+    from ..collectives import comm_stats, reset_comm_stats
+
+    model, opt, autocast = build_system(name, cfg, work, device, mesh)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    visit = {"times": [], "own_cpu": [], "busy": [], "first_loss": None}
+    for i, (x, y) in enumerate(work.batches):
+        if i == cfg.warmup:
+            reset_comm_stats()
+        dist.barrier()
+        busy0, cpu0 = _machine_busy_s(), time.process_time()
+        t0 = time.perf_counter()
+        loss = train_step(model, opt, autocast, work, x, y)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if i == 0:
+            visit["first_loss"] = loss.item()
+        if i >= cfg.warmup:
+            visit["times"].append(dt)
+            visit["own_cpu"].append(time.process_time() - cpu0)
+            visit["busy"].append(_machine_busy_s() - busy0)
+    visit["wait_s"] = sum(s.wait_seconds for s in comm_stats(reset=True).values())
+    visit["peak_cuda"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    del model, opt
+    gc.collect()
+    return visit
+
+
+def _others_load(visit: dict) -> float:
+    """The median share of the machine's CPU that other processes took during the visit's
+    timed steps: busy time (rank 0's machine) less what this machine's ranks used (collective;
+    the same answer on every rank)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    own = torch.tensor(visit["own_cpu"], dtype=torch.float64) * (dist.get_rank() < local)
+    dist.all_reduce(own)
+    times = torch.tensor(visit["times"], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    busy = torch.tensor(visit["busy"], dtype=torch.float64)
+    dist.broadcast(busy, 0)
+    return float(((busy - own) / (times * (os.cpu_count() or 1))).clamp(0, 1).median())
+
+
+def _wait_until_quiet(quiet: float) -> bool:
+    """Hold every rank until other processes leave the machine nearly idle (at most
+    ``quiet`` of its CPU over half a second), for at most ``QUIET_PATIENCE_S``; whether it
+    was (collective: the same answer on every rank)."""
+    found = torch.ones(1)
+    if quiet < 1 and dist.get_rank() == 0:
+        deadline = time.monotonic() + QUIET_PATIENCE_S
+        found.zero_()
+        while not found and time.monotonic() < deadline:
+            b0 = _machine_busy_s()
+            time.sleep(0.5)
+            found.fill_((_machine_busy_s() - b0) / (0.5 * (os.cpu_count() or 1)) <= quiet)
+    dist.broadcast(found, 0)
+    return bool(found)
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy since boot (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts the bytes of every ``c10d`` collective dispatched while active, per kind.
+
+    Bytes are what a ring moves per rank, as ``shardwise.comm_stats`` books them: (N-1)/N of the
+    full tensor for all-gather and reduce-scatter, twice that for all-reduce.
+    """
+
+    # op name -> (kind, which argument holds the full tensor(s))
+    OPS: ClassVar[dict[str, tuple[str, int]]] = {
+        "allreduce_": ("all_reduce", 0),
+        "allreduce_coalesced_": ("all_reduce", 0),
+        "_allgather_base_": ("all_gather", 0),
+        "allgather_": ("all_gather", 0),
+        "allgather_into_tensor_coalesced_": ("all_gather", 0),
+        "_reduce_scatter_base_": ("reduce_scatter", 1),
+        "reduce_scatter_": ("reduce_scatter", 1),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+        "broadcast_": ("broadcast", 0),
+    }
+
+    def __init__(self, world: int):
+        super().__init__()
+        self.world = world
+        self.bytes: dict[str, int] = {}
+        self.unknown: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            if name in self.OPS:
+                kind, i = self.OPS[name]
+                full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
+                if kind == "all_gather" and name == "allgather_":  # output is one list per input
+                    full = sum(_nbytes(t) for t in _flat_tensors(args[0]))
+                factor = 2 if kind == "all_reduce" else 1
+                moved = factor * full * (self.world - 1) // self.world
+                self.bytes[kind] = self.bytes.get(kind, 0) + moved
+            elif name not in ("barrier", "monitored_barrier_"):
+                self.unknown.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _flat_tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _flat_tensors(o)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh) -> dict:
+    """One more visit of ``name``: after the warm-up steps, one step under ``CommCounter`` and,
+    on CPU, one under ``MemTracker`` (both slow every op down, so no timed step runs under them)."""
+    from ..collectives import comm_stats, reset_comm_stats
+
+    model, opt, autocast = build_system(name, cfg, work, device, mesh)
+    for x, y in work.batches[: cfg.warmup]:
+        train_step(model, opt, autocast, work, x, y)
+    x, y = work.batches[-1]
+    reset_comm_stats()
+    counter = CommCounter(dist.get_world_size())
+    with counter:
+        train_step(model, opt, autocast, work, x, y)
+    own = {k: v.bytes for k, v in comm_stats(reset=True).items() if v.bytes}
+    res = {
+        "bytes": counter.bytes,
+        "shardwise_bytes": own,
+        "unknown_collectives": sorted(counter.unknown),
+    }
+    if device.type == "cpu":
+        res["peak_tracker"] = _tracked_peak(model, opt, autocast, work, x, y)
+    del model, opt
+    gc.collect()
+    return res
+
+
+def _tracked_peak(model, opt, autocast, work: Workload, x, y) -> dict:
+    """Peak bytes of one step under torch's MemTracker, and its breakdown at the peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker, warnings.catch_warnings():
+        # its post-accumulate-grad hook finds .grad already moved on by shardwise's reduce;
+        # the gradient itself was tracked by its tensor hook, which ran first
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
+        train_step(model, opt, autocast, work, x, y)
+    snap = tracker.get_tracker_snapshot("peak")
+    dev = next((d for d in snap if d.type != "meta"), None)
+    if dev is None:
+        return {"Total": 0}
+    return {str(k): int(v) for k, v in snap[dev].items()}
+
+
+# --------------------------------------------------------------------------- summary
+def _theory(system: str, psi: int, root: int, world: int, b_gather: int, b_reduce: int) -> int:
+    """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
+    full shard gathers every unit twice, less the root's backward gather (the root stays
+    gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
+    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b)."""
+    if system == "floor":
+        return 0
+    if system.endswith("full_shard"):
+        gathered = (2 * psi - root) * b_gather + psi * b_reduce
+    elif system.endswith("shard_grad_op"):
+        gathered = psi * b_gather + psi * b_reduce
+    else:
+        gathered = 2 * psi * b_reduce
+    return gathered * (world - 1) // world
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(cfg: BenchConfig, results: dict) -> dict:
+    """Per system: step-time statistics over the slowest rank of each step, tokens/s, peak
+    memory (the largest rank's), bytes per step, the ratios, and the first-loss check."""
+    ranks = results["ranks"]
+    world = len(ranks)
+    b_gather = 2 if cfg.mixed_precision == "bf16" else 4
+    rows = {}
+    for name in cfg.systems:
+        per_rank = [r[name] for r in ranks]
+        visits = [list(v) for v in zip(*(p["visits"] for p in per_rank))]  # [visit][rank]
+        kept = [v for v in visits if v[0]["others_load"] <= cfg.quiet]
+        if len(kept) < min(2, len(visits)):  # never quiet enough: keep them all (the table says so)
+            kept = visits
+        steps = [max(ts) for v in kept for ts in zip(*(r["times"] for r in v))]
+        med = statistics.median(steps)
+        peak = max(
+            p.get("peak_tracker", {}).get("Total", 0) or max(v["peak_cuda"] for v in p["visits"])
+            for p in per_rank
+        )
+        rows[name] = {
+            "median_ms": 1e3 * med,
+            "p25_ms": 1e3 * _quantile(steps, 0.25),
+            "p75_ms": 1e3 * _quantile(steps, 0.75),
+            "step_ms": [1e3 * t for t in steps],
+            "cpu_ms_per_rank": 1e3
+            * statistics.median(c for v in kept for r in v for c in r["own_cpu"]),
+            "visits_kept": len(kept),
+            "others_load": [v[0]["others_load"] for v in visits],
+            "redone_visits": sum(v[0]["attempts"] - 1 for v in visits),
+            "tokens_per_s": results["tokens_per_step"] / med,
+            "peak_bytes": peak,
+            "peak_breakdown": ranks[0][name].get("peak_tracker"),
+            "bytes_per_step": sum(ranks[0][name]["bytes"].values()),
+            "bytes_by_kind": ranks[0][name]["bytes"],
+            "shardwise_comm_stats_bytes": ranks[0][name]["shardwise_bytes"],
+            "theory_bytes": _theory(
+                name, results["num_params"], results["root_params"], world, b_gather, 4
+            ),
+            "wait_ms_per_step": 1e3 * sum(v[0]["wait_s"] for v in kept) / len(steps),
+            "first_losses": [[v["first_loss"] for v in p["visits"]] for p in per_rank],
+            "unknown_collectives": ranks[0][name]["unknown_collectives"],
+        }
+    for name, row in rows.items():
+        kind, _, strategy = name.partition("/")
+        row["x_floor"] = _ratio(row, rows.get("floor"))
+        row["x_fsdp2"] = _ratio(row, rows.get(f"fsdp2/{strategy}")) if kind == "shardwise" else None
+        row["x_ddp"] = _ratio(row, rows.get("ddp")) if kind == "shardwise" else None
+    return {
+        "config": asdict(cfg),
+        "world_size": world,
+        "num_params": results["num_params"],
+        "tokens_per_step": results["tokens_per_step"],
+        "machine": results["machine"],
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "memory_tool": "torch.cuda.max_memory_allocated"
+        if results["device"] == "cuda"
+        else "torch.distributed._tools.mem_tracker.MemTracker",
+        "systems": rows,
+        "loss_check": _loss_check(rows, tol=1e-2 if cfg.mixed_precision == "bf16" else 1e-4),
+    }
+
+
+def _ratio(row: dict, base: dict | None) -> float | None:
+    return row["median_ms"] / base["median_ms"] if base else None
+
+
+def _loss_check(rows: dict, tol: float) -> dict:
+    """Every visit's first-step loss, per rank, against the first system's: the same work."""
+    ref_name = next(iter(rows))
+    ref = rows[ref_name]["first_losses"][0][0]
+    worst, where = 0.0, ""
+    for name, row in rows.items():
+        for rank, losses in enumerate(row["first_losses"]):
+            base = rows[ref_name]["first_losses"][rank][0]
+            for loss in losses:
+                rel = abs(loss - base) / max(abs(base), 1e-12)
+                if rel > worst:
+                    worst, where = rel, f"{name} on rank {rank}: {loss} vs {ref_name}'s {base}"
+    return {
+        "ok": worst <= tol,
+        "tolerance": tol,
+        "worst_rel_diff": worst,
+        "worst": where,
+        "rank0_loss": ref,
+    }
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL"
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Gloo"
+
+
+# --------------------------------------------------------------------------- output
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_markdown(summary: dict) -> str:
+    """The results table (and how it was made) as markdown."""
+    c = summary["config"]
+    lines = [
+        f"{summary['machine']}; {summary['world_size']} ranks, {c['threads']} thread(s) each; "
+        f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
+        + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")
+        + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}; "
+        f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
+        f"{summary['date']}",
+        "",
+        "| system | median ms | p25-p75 ms | visits | tokens/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in summary["systems"].items():
+        lines.append(
+            f"| {name} | {r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | "
+            f"{r['visits_kept']}/{len(r['others_load'])} | {r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**20:.1f} | "
+            f"{r['bytes_per_step'] / 2**20:.2f} | {r['theory_bytes'] / 2**20:.2f} | "
+            f"{_fmt(r['x_floor'], '.2f')} | {_fmt(r['x_fsdp2'], '.2f')} | {_fmt(r['x_ddp'], '.2f')} |"
+        )
+    lc = summary["loss_check"]
+    load = [f for r in summary["systems"].values() for f in r["others_load"]]
+    redone = sum(r["redone_visits"] for r in summary["systems"].values())
+    lines += [
+        "",
+        (
+            "Step time: the slowest rank's, over the timed steps of the visits kept ('visits'): "
+            f"those during which other processes took at most {100 * c['quiet']:.0f}% of the "
+            "machine's CPU (all visits, if fewer than two were). Other processes took a median "
+            f"{100 * statistics.median(load):.0f}% (worst visit {100 * max(load):.0f}%); "
+            f"{redone} visit(s) were run again for it."
+        ),
+        (
+            f"Peak memory: {summary['memory_tool']}, per rank (largest rank). Communication: every "
+            "c10d collective counted by a dispatch mode, as bytes a ring moves per rank. First-step "
+            f"losses {'agree' if lc['ok'] else 'DISAGREE'} (worst relative difference "
+            f"{lc['worst_rel_diff']:.1e}, tolerance {lc['tolerance']:.0e})."
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def report(summary: dict, out: str) -> None:
+    """Print the table; write bench.json, bench.md and bench.png; fail if the losses differ."""
+    md = render_markdown(summary)
+    print(md, flush=True)
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (d / "bench.md").write_text(md + "\n")
+    write_png(d / "bench.png", bar_chart(summary))
+    print(f"\nwrote {d / 'bench.json'}, {d / 'bench.md'}, {d / 'bench.png'}", flush=True)
+    if not summary["loss_check"]["ok"]:
+        raise SystemExit(f"first-step losses disagree: {summary['loss_check']['worst']}")
+
+
+# --------------------------------------------------------------------------- PNG bar chart
+# A 5x7 bitmap font (upper case; lower case is drawn as upper): each glyph is seven rows of
+# five bits, as hex pairs. The chart is drawn with no plotting library, so it always renders.
+_FONT_HEX = (
+    "A0e11111f111111 B1e11111e11111e C0e11101010110e D1e11111111111e E1f10101e10101f "
+    "F1f10101e101010 G0e11101711110f H1111111f111111 I0e04040404040e J0702020202120c "
+    "K11121418141211 L1010101010101f M111b1515111111 N11111915131111 O0e11111111110e "
+    "P1e11111e101010 Q0e11111115120d R1e11111e141211 S0f10100e01011e T1f040404040404 "
+    "U1111111111110e V11111111110a04 W1111111515150a X11110a040a1111 Y11110a04040404 "
+    "Z1f01020408101f 00e11131519110e 1040c040404040e 20e11010204081f 31e01010e01011e "
+    "402060a121f0202 51f101e0101110e 60608101e11110e 71f010204080808 80e11110e11110e "
+    "90e11110f01020c .00000000000c0c /01010204081010 _0000000000001f -0000001f000000 "
+    "(02040808080402 )08040202020408 %18190204081303 :000c0c000c0c00 ,000000000c0408"
+)
+_FONT = {g[0]: bytes.fromhex(g[1:]) for g in _FONT_HEX.split()}
+_COLORS = {
+    "shardwise": (31, 119, 180),
+    "fsdp2": (255, 127, 14),
+    "ddp": (44, 160, 44),
+    "floor": (127, 127, 127),
+}
+
+
+class Canvas:
+    """An RGB image in memory with filled rectangles and bitmap text."""
+
+    def __init__(self, width: int, height: int):
+        self.width, self.height = width, height
+        self.pixels = bytearray(b"\xff" * (width * height * 3))
+
+    def rect(self, x: int, y: int, w: int, h: int, color: tuple[int, int, int]) -> None:
+        x0, y0, x1, y1 = max(0, x), max(0, y), min(self.width, x + w), min(self.height, y + h)
+        if x1 <= x0:
+            return
+        row = bytes(color) * (x1 - x0)
+        for yy in range(y0, y1):
+            i = (yy * self.width + x0) * 3
+            self.pixels[i : i + len(row)] = row
+
+    def text(
+        self, x: int, y: int, s: str, color: tuple[int, int, int] = (0, 0, 0), scale: int = 2
+    ) -> int:
+        """Draw ``s`` with its top-left corner at (x, y); return the x after it."""
+        for ch in s.upper():
+            for r, bits in enumerate(_FONT.get(ch, bytes(7))):
+                for c in range(5):
+                    if bits & (0x10 >> c):
+                        self.rect(x + c * scale, y + r * scale, scale, scale, color)
+            x += 6 * scale
+        return x
+
+    def png(self) -> bytes:
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return (
+                struct.pack(">I", len(data))
+                + kind
+                + data
+                + struct.pack(">I", zlib.crc32(kind + data))
+            )
+
+        stride = self.width * 3
+        raw = b"".join(
+            b"\x00" + bytes(self.pixels[y * stride : (y + 1) * stride]) for y in range(self.height)
+        )
+        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw, 9))
+            + chunk(b"IEND", b"")
+        )
+
+
+def bar_chart(summary: dict) -> Canvas:
+    """Two panels of horizontal bars: median step time (with its p25-p75 range) and peak
+    memory per rank, one bar per system, coloured by library."""
+    rows = summary["systems"]
+    panels = [
+        ("median step time (ms), p25-p75", "median_ms", 1.0, ".0f"),
+        ("peak memory per rank (MiB)", "peak_bytes", 2**-20, ".1f"),
+    ]
+    label_w = 12 * max(len(n) for n in rows) + 30
+    bar_w, row_h, pad = 520, 26, 14
+    width = label_w + bar_w + 130
+    panel_h = 36 + row_h * len(rows)
+    c = Canvas(width, 40 + len(panels) * (panel_h + pad))
+    cfg = summary["config"]
+    c.text(
+        pad,
+        10,
+        f"{cfg['model']} model, {summary['world_size']} ranks, {summary['machine'].split(',')[-1].strip()}",
+    )
+    y = 40
+    for title, key, scale, spec in panels:
+        c.text(pad, y + 6, title, (60, 60, 60))
+        top = (
+            max(rows[n].get("p75_ms" if key == "median_ms" else key, 0) * scale for n in rows)
+            or 1.0
+        )
+        yy = y + 34
+        for name, r in rows.items():
+            v = r[key] * scale
+            color = _COLORS[name.partition("/")[0]]
+            c.text(pad, yy + 5, name)
+            w = int(bar_w * v / top)
+            c.rect(label_w, yy + 2, max(w, 1), row_h - 6, color)
+            if key == "median_ms":
+                lo, hi = int(bar_w * r["p25_ms"] / top), int(bar_w * r["p75_ms"] / top)
+                c.rect(label_w + lo, yy + row_h // 2 - 2, max(hi - lo, 1), 3, (0, 0, 0))
+            c.text(
+                label_w
+                + max(w, int(bar_w * r.get("p75_ms", 0) / top) if key == "median_ms" else w)
+                + 8,
+                yy + 5,
+                format(v, spec),
+            )
+            yy += row_h
+        y += panel_h + pad
+    return c
+
+
+def write_png(path: Path, canvas: Canvas) -> None:
+    path.write_bytes(canvas.png())

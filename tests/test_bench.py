@@ -1,0 +1,50 @@
+"""The benchmark harness end to end on a tiny GPT: every system runs the same work, counted
+bytes equal the theory, and the table, JSON and PNG are written (no timing is asserted)."""
+
+import json
+
+import pytest
+import torch
+
+from shardwise.tools import bench
+
+
+def test_bench_runs_every_system(pools, tmp_path):
+    cfg = bench.BenchConfig(
+        model="tiny", batch_size=2, seq_len=32, rounds=1, steps=1, quiet=1.0, out=str(tmp_path)
+    )
+    summary = bench.summarize(cfg, pools(2).run(bench.run_rank, cfg)[0])
+    bench.report(summary, cfg.out)
+
+    rows = summary["systems"]
+    assert list(rows) == list(bench.SYSTEMS)
+    assert summary["loss_check"]["ok"], summary["loss_check"]
+    for name, r in rows.items():
+        assert r["bytes_per_step"] == r["theory_bytes"], (name, r["bytes_by_kind"])
+        assert r["unknown_collectives"] == [], name
+        assert r["peak_bytes"] > 0, name
+        assert len(r["step_ms"]) == 1 and r["median_ms"] > 0 and r["redone_visits"] == 0
+    own = rows["shardwise/full_shard"]
+    assert own["shardwise_comm_stats_bytes"] == own["bytes_by_kind"]  # the counter agrees with ours
+    assert rows["floor"]["x_floor"] == 1.0 and own["x_fsdp2"] > 0 and own["x_ddp"] > 0
+
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["systems"].keys() == rows.keys()
+    md = (tmp_path / "bench.md").read_text()
+    assert all(f"| {name} |" in md for name in bench.SYSTEMS)
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
+
+
+def test_mlp_workload_splits_one_global_batch():
+    cfg = bench.BenchConfig(model="mlp", batch_size=3, steps=1, warmup=1)
+    ranks = [bench.workload(cfg, r, 2, torch.device("cpu")) for r in range(2)]
+    assert ranks[0].num_params == 8 * (1024 * 1024 + 1024) and ranks[0].root_params == 0
+    assert ranks[0].tokens_per_step == 6 and len(ranks[0].batches) == 2
+    x0, x1 = (w.batches[0][0] for w in ranks)
+    assert x0.shape == (3, 1024) and not torch.equal(x0, x1)  # two halves of one batch
+
+
+def test_config_rejects_unknown_systems():
+    with pytest.raises(ValueError, match="unknown systems"):
+        bench.parse_args(["--systems", "floor,megatron"])
