@@ -3,7 +3,8 @@
     shardwise bench --model small --nproc 2              # local ranks on CPU (Gloo), or:
     torchrun --nproc_per_node 8 -m shardwise bench --model large --mixed-precision bf16
 
-Every rank runs every system in alternation (A B C A B C ...) for several rounds: each visit
+Every rank runs every system in alternation (A B C A B C ...) for several rounds, after one
+discarded visit that warms the process (allocator, kernels, connections): each visit
 builds the system from the same seed, takes ``warmup`` untimed steps and ``steps`` timed ones on
 the same batches, and frees it, so only one system's state is alive at a time. The compute
 floor is the plain model on the per-rank batch with no communication, run on every rank at once
@@ -12,7 +13,9 @@ the slowest rank's. After the rounds, one more visit per system counts bytes and
 a dispatch mode sees every ``c10d`` collective of every system alike (bytes booked as a ring
 moves them, as ``shardwise.comm_stats`` books its own), and memory is torch's ``MemTracker`` on
 CPU or ``torch.cuda.max_memory_allocated`` on CUDA. First-step losses must agree across systems.
-Results: a markdown table on stdout, ``bench.json``, ``bench.md`` and ``bench.png`` in ``--out``.
+On a shared machine it waits for other processes to go quiet before each visit and redoes a
+visit they disturbed (``--quiet``; Linux ``/proc/stat``). Results: a markdown table on stdout,
+``bench.json``, ``bench.md`` and ``bench.png`` (drawn without a plotting library) in ``--out``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 import uuid
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,7 +64,7 @@ QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Options of ``shardwise bench`` (each field's comment doubles as its CLI help)."""
+    """Options of ``shardwise bench``; each is the CLI flag of the same name."""
 
     model: str = "small"  # built-in GPT size (tiny|small|medium|large) or mlp (an MLPStack)
     nproc: int = 2  # ranks to launch on this machine (ignored under torchrun)
@@ -70,9 +74,7 @@ class BenchConfig:
     steps: int = 3  # timed steps per visit
     warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
     systems: tuple[str, ...] = SYSTEMS  # which systems to run (comma-separated on the CLI)
-    mixed_precision: str = (
-        "none"  # none | bf16 (shardwise and FSDP2 policies; autocast for DDP/floor)
-    )
+    mixed_precision: str = "none"  # none | bf16 (autocast for DDP and the floor)
     seed: int = 0  # model initialisation and data
     threads: int = 1  # intra-op threads per rank (OMP_NUM_THREADS)
     out: str = "bench-out"  # directory for bench.json, bench.md and bench.png
@@ -116,8 +118,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--quiet",
         type=float,
         default=d.quiet,
-        help="redo a visit (up to 3 times) when other processes took more than this share of "
-        "the machine's CPU during it, and wait for such a quiet machine before each (1: never)",
+        help=f"redo a visit (up to {REDOS} times) when other processes took more than this share "
+        "of the machine's CPU during it, and wait for such a quiet machine before each (1: never)",
     )
     a = vars(p.parse_args(argv))
     a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
@@ -157,10 +159,10 @@ def main(argv: list[str] | None = None) -> None:
 class Workload:
     """The model builder, wrap class and per-rank batches every system trains on."""
 
-    build: object  # () -> nn.Module, seeded
+    build: Callable[[], nn.Module]  # call after seeding
     block: type[nn.Module]  # the class that shardwise and FSDP2 wrap
     batches: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's (input, target) per step
-    loss: object  # (model, x, y) -> scalar loss
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # the scalar loss
     tokens_per_step: int  # over all ranks (rows, for mlp)
     num_params: int
     root_params: int  # parameters outside every block: the root unit's
@@ -287,6 +289,9 @@ def run_rank(cfg: BenchConfig) -> dict:
 
         mesh = init_device_mesh(device.type, (world,))
     out: dict[str, dict] = {s: {"visits": []} for s in cfg.systems}
+    timed_visit(
+        cfg.systems[0], cfg, work, device, mesh
+    )  # discarded: the process's first steps are slow
     for r in range(cfg.rounds):
         for name in cfg.systems:
             for attempt in range(1 + REDOS):
@@ -306,6 +311,8 @@ def run_rank(cfg: BenchConfig) -> dict:
                 )
     for name in cfg.systems:
         out[name].update(counted_visit(name, cfg, work, device, mesh))
+        if rank == 0:
+            print(f"counted {name}", file=sys.stderr, flush=True)
     everyone = [None] * world
     dist.all_gather_object(everyone, out)
     return {
@@ -345,21 +352,35 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
             visit["busy"].append(_machine_busy_s() - busy0)
     visit["wait_s"] = sum(s.wait_seconds for s in comm_stats(reset=True).values())
     visit["peak_cuda"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    del model, opt
-    gc.collect()
+    _free(model)
     return visit
+
+
+def _free(model: nn.Module) -> None:
+    """Drop a system so that the next visit starts clean. A shardwise model's gradient hooks
+    are held by its parameters from C++ and close over the model: a cycle that Python's
+    collector cannot see, broken here by removing the hooks."""
+    runtime = getattr(model, "_shardwise", None)
+    if runtime is not None:
+        runtime.remove_hooks()
+    del model, runtime
+    gc.collect()
 
 
 def _others_load(visit: dict) -> float:
     """The median share of the machine's CPU that other processes took during the visit's
     timed steps: busy time (rank 0's machine) less what this machine's ranks used (collective;
     the same answer on every rank)."""
+    from ..groups import device
+
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    own = torch.tensor(visit["own_cpu"], dtype=torch.float64) * (dist.get_rank() < local)
+    own, times, busy = (
+        torch.tensor(visit[k], dtype=torch.float64, device=device())
+        for k in ("own_cpu", "times", "busy")
+    )
+    own *= dist.get_rank() < local
     dist.all_reduce(own)
-    times = torch.tensor(visit["times"], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    busy = torch.tensor(visit["busy"], dtype=torch.float64)
     dist.broadcast(busy, 0)
     return float(((busy - own) / (times * (os.cpu_count() or 1))).clamp(0, 1).median())
 
@@ -368,14 +389,16 @@ def _wait_until_quiet(quiet: float) -> bool:
     """Hold every rank until other processes leave the machine nearly idle (at most
     ``quiet`` of its CPU over half a second), for at most ``QUIET_PATIENCE_S``; whether it
     was (collective: the same answer on every rank)."""
-    found = torch.ones(1)
+    from ..groups import device
+
+    found = torch.ones(1, device=device())
     if quiet < 1 and dist.get_rank() == 0:
         deadline = time.monotonic() + QUIET_PATIENCE_S
         found.zero_()
         while not found and time.monotonic() < deadline:
             b0 = _machine_busy_s()
             time.sleep(0.5)
-            found.fill_((_machine_busy_s() - b0) / (0.5 * (os.cpu_count() or 1)) <= quiet)
+            found.fill_(float((_machine_busy_s() - b0) / (0.5 * (os.cpu_count() or 1)) <= quiet))
     dist.broadcast(found, 0)
     return bool(found)
 
@@ -395,7 +418,8 @@ class CommCounter(TorchDispatchMode):
     """Counts the bytes of every ``c10d`` collective dispatched while active, per kind.
 
     Bytes are what a ring moves per rank, as ``shardwise.comm_stats`` books them: (N-1)/N of the
-    full tensor for all-gather and reduce-scatter, twice that for all-reduce.
+    full tensor for all-gather and reduce-scatter (and of the tensor of a broadcast or reduce),
+    twice that for all-reduce; N is the default group's size.
     """
 
     # op name -> (kind, which argument holds the full tensor(s))
@@ -409,6 +433,7 @@ class CommCounter(TorchDispatchMode):
         "reduce_scatter_": ("reduce_scatter", 1),
         "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
         "broadcast_": ("broadcast", 0),
+        "reduce_": ("reduce", 0),
     }
 
     def __init__(self, world: int):
@@ -423,8 +448,6 @@ class CommCounter(TorchDispatchMode):
             if name in self.OPS:
                 kind, i = self.OPS[name]
                 full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
-                if kind == "all_gather" and name == "allgather_":  # output is one list per input
-                    full = sum(_nbytes(t) for t in _flat_tensors(args[0]))
                 factor = 2 if kind == "all_reduce" else 1
                 moved = factor * full * (self.world - 1) // self.world
                 self.bytes[kind] = self.bytes.get(kind, 0) + moved
@@ -466,8 +489,7 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     }
     if device.type == "cpu":
         res["peak_tracker"] = _tracked_peak(model, opt, autocast, work, x, y)
-    del model, opt
-    gc.collect()
+    _free(model)
     return res
 
 
@@ -628,7 +650,7 @@ def render_markdown(summary: dict) -> str:
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",
         "",
-        "| system | median ms | p25-p75 ms | visits | tokens/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |",
+        f"| system | median ms | p25-p75 ms | visits | {'rows' if c['model'] == 'mlp' else 'tokens'}/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in summary["systems"].items():
