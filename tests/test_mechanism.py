@@ -245,3 +245,22 @@ def other_methods():
 def test_other_methods_and_gathered(pools, world_size):
     for method_ok, shapes_ok, edit_kept in pools(world_size).run(other_methods):
         assert method_ok and shapes_ok and edit_kept
+
+
+# --- a sharded model is freed like any other module
+def collected(strategy):
+    import gc
+    import weakref
+
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    x, y = batch("tied", 0, 2 * dist.get_world_size())
+    loss_of(model, local_slice(x), local_slice(y)).backward()
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    return alive() is None
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_sharded_model_is_garbage_collected(pools, strategy):
+    assert all(pools(2).run(collected, strategy))

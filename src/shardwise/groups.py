@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -59,3 +62,24 @@ def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
             "before shardwise.shard()"
         )
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def launch_local(nproc: int, entry: Callable, *args) -> dict[int, object]:
+    """Run ``entry(*args)`` in ``nproc`` local ranks through torch's elastic launcher (the
+    engine behind torchrun), rendezvous on a free loopback port; returns each rank's result."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    return elastic_launch(config, entry)(*args)

@@ -13,6 +13,7 @@ waits for every reduce and leaves ``.grad`` on the shards.
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 
 import torch
@@ -93,7 +94,6 @@ class Runtime:
         self.next_backward: dict[Unit, Unit] = {}
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
-        self._handles = []
         for unit in units:
             self._register(unit)
 
@@ -101,15 +101,11 @@ class Runtime:
     def _register(self, unit: Unit) -> None:
         m = unit.module
         if isinstance(unit, ShardedUnit) or unit.casts:  # plain no_shard needs none, like DDP
-            self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._make_post_forward(unit)))
+            m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+            m.register_forward_hook(self._make_post_forward(unit))
         for p, rg in zip(unit.full_params, _requires_grad(unit)):
             if rg:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready(unit)))
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
+                p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
 
     # --- forward
     def _make_pre_forward(self, unit: Unit):
@@ -206,13 +202,19 @@ class Runtime:
         self._note_unsharded()
 
     def _make_grad_ready(self, unit: Unit):
+        # The parameter holds this hook from C++, where Python's collector cannot see it: a
+        # closure over the runtime or the unit (which both lead back to the parameter) would
+        # keep the whole model alive forever. Weak references break that cycle.
+        runtime_ref, unit_ref = weakref.ref(self), weakref.ref(unit)
+
         def hook(param):
-            if not self.callback_queued:  # no_shard has no forward hooks that could queue it
-                Variable._execution_engine.queue_callback(self._final_callback)
-                self.callback_queued = True
-            unit.grads_ready += 1
-            if self.sync_grads and unit.grads_ready == unit.num_trainable:
-                unit.reduce_grads()
+            rt, u = runtime_ref(), unit_ref()
+            if not rt.callback_queued:  # no_shard has no forward hooks that could queue it
+                Variable._execution_engine.queue_callback(rt._final_callback)
+                rt.callback_queued = True
+            u.grads_ready += 1
+            if rt.sync_grads and u.grads_ready == u.num_trainable:
+                u.reduce_grads()
 
         return hook
 

@@ -12,10 +12,8 @@ import argparse
 import contextlib
 import math
 import os
-import socket
 import sys
 import time
-import uuid
 import warnings
 from pathlib import Path
 from dataclasses import asdict, dataclass
@@ -86,24 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:  # already launched by torchrun
         worker(cfg)
         return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     nproc = cfg.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    elastic_launch(launch, worker)(cfg)
+    groups.launch_local(nproc, worker, cfg)
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:

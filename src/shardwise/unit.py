@@ -106,6 +106,11 @@ class Unit:
     def is_root(self) -> bool:
         return self.name == ""
 
+    def _swap(self, params) -> None:
+        """Point every registration of this unit's parameters at ``params`` (one per slot)."""
+        for r in self.registrations:
+            r.module._parameters[r.attr] = params[r.index]
+
 
 class ShardedUnit(Unit):
     """A unit whose parameters are sharded over the group (full_shard / shard_grad_op)."""
@@ -172,10 +177,6 @@ class ShardedUnit(Unit):
         self._swap(self.shard_params)
 
     # --- parameters as the module sees them
-    def _swap(self, params: list[nn.Parameter]) -> None:
-        for r in self.registrations:
-            r.module._parameters[r.attr] = params[r.index]
-
     def expose_shards(self, exposed: bool) -> None:
         """Between steps (True) modules hold the shard parameters; during one, placeholders
         that raise if used outside the unit's forward."""
@@ -312,9 +313,6 @@ class ShardedUnit(Unit):
         if events.listeners:
             events.emit("reduce_done", self.label)
 
-    def has_unsynced_grads(self) -> bool:
-        return any(p.grad is not None for p in self.full_params)
-
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, as fresh tensors (one blocking all-gather)."""
@@ -369,10 +367,6 @@ class ReplicatedUnit(Unit):
         self.num_trainable = len(self.trainable)
         self._reduce: C.Pending | None = None
         self._bucket: torch.Tensor | None = None
-
-    def _swap(self, params) -> None:
-        for r in self.registrations:
-            r.module._parameters[r.attr] = params[r.index]
 
     def unshard(self) -> None:
         if self.state is UnitState.SHARDED:
@@ -432,9 +426,6 @@ class ReplicatedUnit(Unit):
         self._reduce = self._bucket = None
         if events.listeners:
             events.emit("reduce_done", self.label)
-
-    def has_unsynced_grads(self) -> bool:
-        return False
 
     def gather_full(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]

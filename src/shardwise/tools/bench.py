@@ -27,12 +27,10 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import struct
 import sys
 import time
-import uuid
 import warnings
 import zlib
 from collections.abc import Callable
@@ -46,6 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import groups
 
 SYSTEMS = (
     "floor",
@@ -134,23 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             report(summarize(cfg, results), cfg.out)
         return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.nproc,
-        run_id=f"shardwise-bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)  # read by torch as each rank starts
-    results = elastic_launch(launch, run_rank)(cfg)[0]
+    results = groups.launch_local(cfg.nproc, run_rank, cfg)[0]
     report(summarize(cfg, results), cfg.out)
 
 
@@ -276,7 +261,6 @@ def _sync(device: torch.device) -> None:
 def run_rank(cfg: BenchConfig) -> dict:
     """One rank's part: the timed rounds, then one counted visit per system. Returns every
     rank's raw results and the workload's sizes (collective: call on every rank)."""
-    from .. import groups
 
     groups.init()
     torch.set_num_threads(cfg.threads)
@@ -357,13 +341,8 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
 
 
 def _free(model: nn.Module) -> None:
-    """Drop a system so that the next visit starts clean. A shardwise model's gradient hooks
-    are held by its parameters from C++ and close over the model: a cycle that Python's
-    collector cannot see, broken here by removing the hooks."""
-    runtime = getattr(model, "_shardwise", None)
-    if runtime is not None:
-        runtime.remove_hooks()
-    del model, runtime
+    """Drop a system so that the next visit starts clean."""
+    del model
     gc.collect()
 
 
