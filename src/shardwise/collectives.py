@@ -3,6 +3,14 @@
 Every call records per-rank bytes and seconds by kind; ``comm_stats()`` reads them, and every
 figure the tools and benchmarks print comes from here. Bytes are what a ring algorithm moves per
 rank: (N-1)/N of the full tensor for all-gather and reduce-scatter, twice that for all-reduce.
+
+Note [Gloo gather and reduce-scatter]: Gloo's tensor all-gather stages through a fresh
+full-size buffer and a copy, and its tensor reduce-scatter clones the input and all-reduces
+the clone (twice the bytes). On Gloo, shardwise issues instead one in-place broadcast per
+rank's slice of the output (all-gather) and one in-place reduce per rank's slice of the input
+(reduce-scatter), all asynchronous: the same bytes per rank, no staging, less CPU
+(docs/benchmarks.md measures it). The reduce-scatter's input is scratch there. NCCL keeps its
+own collectives.
 """
 
 from __future__ import annotations
@@ -53,28 +61,37 @@ def reset_comm_stats() -> None:
 
 
 class Pending:
-    """An issued collective; ``wait()`` blocks until it is done and books its time."""
+    """An issued collective (one or more works); ``wait()`` blocks until it is done, runs
+    its completion step, if any, and books its time."""
 
-    __slots__ = ("work", "kind", "label", "group", "t_issue", "nbytes", "_done")
+    __slots__ = ("works", "finish", "kind", "label", "group", "t_issue", "nbytes", "_done")
 
-    def __init__(self, work, kind: str, label: str, group, t_issue: float, nbytes: int):
-        self.work, self.kind, self.label, self.group = work, kind, label, group
+    def __init__(self, works: list, finish, kind: str, label: str, group, t_issue: float, nbytes: int):
+        self.works, self.finish, self.kind, self.label, self.group = works, finish, kind, label, group
         self.t_issue, self.nbytes = t_issue, nbytes
-        self._done = work is None
+        self._done = not works
+
+    def completed(self) -> bool:
+        """Whether every work has completed (without waiting; the completion step runs at the wait)."""
+        return self._done or all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         if self._done:
             return
         t0 = time.perf_counter()
         try:
-            self.work.wait()
+            for work in self.works:
+                work.wait()
         except Exception as exc:  # Gloo raises on peer death and on timeout
             raise _collective_error(self.kind, self.label, self.group, exc) from exc
+        if self.finish is not None:
+            self.finish()
         t1 = time.perf_counter()
         s = _stats[self.kind]
         s.seconds += t1 - self.t_issue
         s.wait_seconds += t1 - t0
         self._done = True
+        self.works = self.finish = None
         if events.listeners:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
 
@@ -150,28 +167,65 @@ def check_collectives(enabled: bool) -> None:
 
 
 def _issue(kind: str, label: str, group, full: torch.Tensor, fn, *args, **kwargs) -> Pending:
+    """Issue ``fn`` asynchronously; it returns a work, or (works, completion step)."""
     if _check is not None and group is None:
         _check.check(kind, label, full)
     t0 = time.perf_counter()
     try:
-        work = fn(*args, group=group, async_op=True, **kwargs)
+        issued = fn(*args, group=group, async_op=True, **kwargs)
     except Exception as exc:
         raise _collective_error(kind, label, group, exc) from exc
-    return Pending(work, kind, label, group, t0, full.numel() * full.element_size())
+    works, finish = issued if isinstance(issued, tuple) else ([issued], None)
+    return Pending(works, finish, kind, label, group, t0, full.numel() * full.element_size())
+
+
+def _on_gloo(group) -> bool:
+    return dist.get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.GLOO
+
+
+def _global_rank(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def _gather_by_broadcasts(out: torch.Tensor, shard: torch.Tensor, *, group, async_op: bool):
+    """All-gather as one in-place broadcast per rank's slice (Note [Gloo gather and reduce-scatter])."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    slices = out.view(world, -1)
+    slices[rank].copy_(shard.view(-1))
+    works = [
+        dist.broadcast(slices[r], _global_rank(group, r), group=group, async_op=async_op)
+        for r in range(world)
+    ]
+    return works, None
+
+
+def _reduce_scatter_by_reduces(out: torch.Tensor, full: torch.Tensor, *, group, async_op: bool):
+    """Reduce-scatter as one in-place reduce per rank's slice (Note [Gloo gather and
+    reduce-scatter]); this rank's slice is copied to ``out`` at the wait."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    slices = full.view(world, -1)
+    works = [
+        dist.reduce(slices[r], _global_rank(group, r), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        for r in range(world)
+    ]
+    return works, lambda: out.view(-1).copy_(slices[rank])
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group, label: str) -> Pending:
     """Gather every rank's equal-sized ``shard`` into ``out`` (rank-major), asynchronously."""
     world = dist.get_world_size(group)
     _book("all_gather", out.numel() * out.element_size(), world)
-    return _issue("all_gather", label, group, out, _all_gather_tensor, out, shard)
+    fn = _gather_by_broadcasts if _on_gloo(group) else _all_gather_tensor
+    return _issue("all_gather", label, group, out, fn, out, shard)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, label: str) -> Pending:
-    """Sum ``full`` over ranks and leave this rank's equal slice in ``out``, asynchronously."""
+    """Sum ``full`` over ranks and leave this rank's equal slice in ``out``, asynchronously.
+    ``full`` is scratch: on Gloo it holds partial sums afterwards."""
     world = dist.get_world_size(group)
     _book("reduce_scatter", full.numel() * full.element_size(), world)
-    return _issue("reduce_scatter", label, group, full, _reduce_scatter_tensor, out, full)
+    fn = _reduce_scatter_by_reduces if _on_gloo(group) else _reduce_scatter_tensor
+    return _issue("reduce_scatter", label, group, full, fn, out, full)
 
 
 def all_reduce(
@@ -187,5 +241,4 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending
     """Copy ``tensor`` from group rank ``src_rank`` to every rank, asynchronously."""
     world = dist.get_world_size(group)
     _book("broadcast", tensor.numel() * tensor.element_size(), world)
-    src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
-    return _issue("broadcast", label, group, tensor, dist.broadcast, tensor, src)
+    return _issue("broadcast", label, group, tensor, dist.broadcast, tensor, _global_rank(group, src_rank))

@@ -188,6 +188,9 @@ class ShardedUnit(Unit):
         if not self._alias:
             self.flat_full.untyped_storage().resize_(0)
 
+    def _allocate_full(self) -> None:
+        self.flat_full.untyped_storage().resize_(self.flat_full.numel() * self.flat_full.element_size())
+
     # --- forward/backward transitions
     def unshard(self) -> None:
         """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING."""
@@ -196,10 +199,11 @@ class ShardedUnit(Unit):
         if self._alias:
             self.state = UnitState.GATHERING
             return
-        storage = self.flat_full.untyped_storage()
-        storage.resize_(self.flat_full.numel() * self.flat_full.element_size())
-        direct_out = self.world == 1
-        self._gathered = self._flat_full_data if direct_out else torch.empty_like(self._flat_full_data)
+        if self.world == 1:  # the cast copy lands in the full buffer itself
+            self._allocate_full()
+            self._gathered = self._flat_full_data
+        else:  # rank-major; the full buffer is allocated only at the wait, for the copy-out
+            self._gathered = torch.empty_like(self._flat_full_data)
         if self._copy_stream is not None:  # offload on CUDA: copy and gather off the compute stream
             self._copy_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._copy_stream):
@@ -227,6 +231,7 @@ class ShardedUnit(Unit):
                 torch.cuda.current_stream().wait_stream(self._copy_stream)
                 self._gathered.record_stream(torch.cuda.current_stream())
             if self.world > 1:
+                self._allocate_full()
                 self.layout.unpack(self._gathered, self._flat_full_data)
             self._gathered = self._send = self._gather = None
             self._swap(self.full_params)

@@ -435,16 +435,23 @@ def _simulate(
     nxt_f, nxt_b = _successors(run.forward_order), _successors(run.backward_order)
 
     def unshard(i: int) -> None:
+        """Issue: the gather's buffers; the full buffer too with one rank (there is no copy-out)."""
         if state[i] == "S":
             state[i] = "G"
             gathers[i] += 1
-            m["gathered"] += size[i].gathered + size[i].temp + size[i].send
+            s = size[i]
+            m["gathered"] += s.temp + s.send + (0 if s.temp else s.gathered)
 
     def wait(i: int) -> None:
+        """Wait: the full buffer is allocated for the copy-out, then the gather's buffers go."""
         unshard(i)
         if state[i] == "G":
             state[i] = "U"
-            m["gathered"] -= size[i].temp + size[i].send
+            s = size[i]
+            if s.temp:
+                m["gathered"] += s.gathered
+                consider(now())
+            m["gathered"] -= s.temp + s.send
 
     def reshard(i: int) -> None:
         if state[i] == "G":
