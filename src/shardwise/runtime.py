@@ -2,8 +2,9 @@
 end-of-backward callback. One ``Runtime`` per sharded model.
 
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
-the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard)
-and registers the pre-backward hook on the unit's outputs. Backward: the pre-backward hook
+the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
+except the unit that ran last, which backward needs first) and registers the pre-backward hook
+on the unit's outputs. Backward: the pre-backward hook
 gathers again and prefetches in backward order; a post-accumulate-grad hook on each full
 parameter counts finished gradients, and the unit's reduce-scatter is issued as soon as all
 are in, while earlier layers still compute; an identity autograd function on the unit's inputs
@@ -92,6 +93,9 @@ class Runtime:
         self.backward_order: list[Unit] = []  # and of pre-backward hooks
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
         self.next_backward: dict[Unit, Unit] = {}
+        # the last unit of the previous forward runs first in backward: full_shard keeps it
+        # gathered rather than reshard it and gather it again at once
+        self.last_forward: Unit | None = None
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
         for unit in units:
@@ -120,6 +124,9 @@ class Runtime:
                 if self.precision.param_dtype is not None:
                     args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
                     self._check_loss_scaling()
+            if unit.is_root:  # activations are few yet: the next gather goes out before the wait
+                unit.unshard()
+                self._prefetch(self.next_forward.get(unit))
             unit.wait_unshard()
             if events.listeners:
                 events.emit("forward", unit.label, edge="begin")
@@ -142,7 +149,7 @@ class Runtime:
             if events.listeners:
                 events.emit("forward", unit.label, edge="end")
             grad = torch.is_grad_enabled()
-            if not grad or (self.strategy == "full_shard" and not unit.is_root):
+            if not grad or (self.strategy == "full_shard" and not unit.is_root and unit is not self.last_forward):
                 unit.reshard()
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
@@ -150,6 +157,7 @@ class Runtime:
                     register_multi_grad_hook(outs, lambda _g: self._pre_backward(unit), mode="any")
             if unit.is_root:
                 self.next_forward = _successors(self.forward_order)
+                self.last_forward = next((u for u in reversed(self.forward_order) if not u.is_root), None)
                 if not grad:  # inference: nothing stays gathered
                     self.settle()
                 if self.precision.output_dtype is not None:

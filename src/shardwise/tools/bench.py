@@ -151,6 +151,7 @@ class Workload:
     tokens_per_step: int  # over all ranks (rows, for mlp)
     num_params: int
     root_params: int  # parameters outside every block: the root unit's
+    last_params: int  # the last block's, which shardwise's full shard keeps gathered into backward
 
 
 def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
@@ -198,7 +199,8 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     total = sum(p.numel() for p in probe.parameters())
     in_blocks = {id(p) for m in probe.modules() if isinstance(m, block) for p in m.parameters()}
     root = sum(p.numel() for p in probe.parameters() if id(p) not in in_blocks)
-    return Workload(build, block, batches, loss, tokens, total, root)
+    last = sum(p.numel() for p in [m for m in probe.modules() if isinstance(m, block)][-1].parameters())
+    return Workload(build, block, batches, loss, tokens, total, root, last)
 
 
 def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh):
@@ -303,6 +305,7 @@ def run_rank(cfg: BenchConfig) -> dict:
         "ranks": everyone,
         "num_params": work.num_params,
         "root_params": work.root_params,
+        "last_params": work.last_params,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
         "machine": _machine(device.type),
@@ -491,15 +494,19 @@ def _tracked_peak(model, opt, autocast, work: Workload, x, y) -> dict:
 
 
 # --------------------------------------------------------------------------- summary
-def _theory(system: str, psi: int, root: int, world: int, b_gather: int, b_reduce: int) -> int:
+def _theory(
+    system: str, psi: int, root: int, last: int, world: int, b_gather: int, b_reduce: int
+) -> int:
     """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
     full shard gathers every unit twice, less the root's backward gather (the root stays
-    gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
+    gathered from forward to backward, in shardwise as in FSDP2) and, in shardwise, the last
+    block's (it runs first in backward, so it stays gathered too), and reduce-scatters once;
     shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b)."""
     if system == "floor":
         return 0
     if system.endswith("full_shard"):
-        gathered = (2 * psi - root) * b_gather + psi * b_reduce
+        kept = root + (last if system.startswith("shardwise") else 0)
+        gathered = (2 * psi - kept) * b_gather + psi * b_reduce
     elif system.endswith("shard_grad_op"):
         gathered = psi * b_gather + psi * b_reduce
     else:
@@ -550,7 +557,13 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "bytes_by_kind": ranks[0][name]["bytes"],
             "shardwise_comm_stats_bytes": ranks[0][name]["shardwise_bytes"],
             "theory_bytes": _theory(
-                name, results["num_params"], results["root_params"], world, b_gather, 4
+                name,
+                results["num_params"],
+                results["root_params"],
+                results["last_params"],
+                world,
+                b_gather,
+                4,
             ),
             "wait_ms_per_step": 1e3 * sum(v[0]["wait_s"] for v in kept) / len(steps),
             "first_losses": [[v["first_loss"] for v in p["visits"]] for p in per_rank],

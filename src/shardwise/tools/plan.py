@@ -15,8 +15,8 @@ How it predicts, for one configuration:
    temporaries still alive, and hooks note where each unit's forward and backward begin and
    end and when its gradients are complete.
 3. That timeline is replayed through the runtime's rules (gather on first use, prefetch of
-   the next unit within ``max_unsharded``, reshard after forward for full_shard or after
-   backward, one reduce per unit once its gradients are complete, every reduction finished at
+   the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
+   unit that ran last) or after backward, one reduce per unit once its gradients are complete, every reduction finished at
    the end of backward), adding at each moment the gathered buffers (and the gather's
    temporary copy while in flight), the unsharded gradients of units not yet reduced and the
    reduction buffers, on top of the shards and the optimizer state.
@@ -433,6 +433,7 @@ def _simulate(
     # no_shard keeps whole parameters (counted as persistent) and, if cast, compute copies
     m = {"gathered": 0 if sharded else sum(s.gathered for s in size), "grads": 0}
     nxt_f, nxt_b = _successors(run.forward_order), _successors(run.backward_order)
+    last_forward = next((i for i in reversed(run.forward_order) if i != root), None)
 
     def unshard(i: int) -> None:
         """Issue: the gather's buffers; the full buffer too with one rank (there is no copy-out)."""
@@ -534,10 +535,13 @@ def _simulate(
             if kind == "fwd_begin":
                 cur["where"] = f"forward of {name}"
                 if sharded:
+                    if i == root:  # the next gather goes out before the root's wait
+                        unshard(i)
+                        prefetch(nxt_f.get(i))
                     wait(i)
                     prefetch(nxt_f.get(i))
             elif kind == "fwd_end":
-                if strategy == "full_shard" and i != root:
+                if strategy == "full_shard" and i not in (root, last_forward):
                     reshard(i)
             elif kind == "bwd_begin":
                 cur["where"] = f"backward of {name}"

@@ -365,9 +365,7 @@ class Trace:
     def _poll(self, rel: float) -> None:
         """Note the collectives that completed since the last event (see the module doc)."""
         for key, (stream, unit, p) in list(self._flight.items()):
-            if (
-                p._done or p.work is None or p.work.is_completed()
-            ):  # Gloo's reduce-scatter: only at the wait
+            if p.completed():
                 del self._flight[key]
                 self._events.append([rel, stream + "_complete", unit])
 
