@@ -277,6 +277,7 @@ def tracer_facts():
     after = {
         "listeners": len(events.listeners),
         "modes": torch._C._len_torch_dispatch_stack(),
+        "profiler": torch.autograd._profiler_enabled(),
         "root_hooks": len(model._forward_pre_hooks),
         "opt_hooks": len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks),
     }
@@ -297,7 +298,13 @@ def traced(pools):
 
 def test_trace_records_every_unit_and_category(traced):
     data, _, _, after, stats = traced[0]
-    assert after == {"listeners": 0, "modes": 0, "root_hooks": 1, "opt_hooks": 0}  # all removed
+    assert after == {  # all removed
+        "listeners": 0,
+        "modes": 0,
+        "profiler": False,
+        "root_hooks": 1,
+        "opt_hooks": 0,
+    }
     assert data["format"] == T.FORMAT and data["world_size"] == 2 and len(data["ranks"]) == 2
     assert [u["name"] for u in data["units"]] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
     for r in data["ranks"]:
@@ -313,6 +320,9 @@ def test_trace_records_every_unit_and_category(traced):
         assert all(s["end"] >= s["start"] for s in spans)
         for m in r["memory"]:
             assert m[1] == "cpu" and all(v >= 0 for v in m[2:])
+        # after the last step all it allocated is freed again, wherever it was freed (the
+        # last reference to a collective's buffers may go on the collective's worker thread)
+        assert r["memory"][-1][2 + T.CATEGORIES.index("activations")] == 0
     summary = {s["rank"]: s for s in T.summary(data)}
     for rank, (_, held_r, state_r, _, _) in enumerate(traced):
         # model state at a step's end: what shardwise's accounting and the optimizer hold

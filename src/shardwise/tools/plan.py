@@ -10,10 +10,10 @@ How it predicts, for one configuration:
    membership, padding and flat-buffer sizes are exact.
 2. One micro-batch runs forward and backward on the fake model (in the compute dtype, with
    activation checkpointing applied if asked; operators pick the kernels a real device would,
-   e.g. flash attention, which the meta device would not) under ``LiveBytes``, the tracer's
-   allocation counter: after every operator it notes the bytes of activations and
-   temporaries still alive, and hooks note where each unit's forward and backward begin and
-   end and when its gradients are complete.
+   e.g. flash attention, which the meta device would not) under ``LiveBytes``, a dispatch
+   mode that counts the storages operators create: after every operator it notes the bytes
+   of activations and temporaries still alive, and hooks note where each unit's forward and
+   backward begin and end and when its gradients are complete.
 3. That timeline is replayed through the runtime's rules (gather on first use, prefetch of
    the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
    unit that ran last) or after backward, one reduce per unit once its gradients are complete, every reduction finished at
@@ -33,12 +33,16 @@ from __future__ import annotations
 import argparse
 import copy
 import re
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..build import UnitPlan, assign_params, check_plans, layout_of, select_units
 from ..checkpointing import checkpoint_activations
@@ -46,7 +50,6 @@ from ..errors import ShardwiseError
 from ..policies import MixedPrecision
 from ..runtime import _replace_tensors, _tensors
 from ..wrap import Policy
-from .trace import LiveBytes
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -179,6 +182,92 @@ class _Mark(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.on_backward()
         return (None, *grads)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes held by the storages that operators allocate while active, per device type.
+
+    A storage counts from the operator that created it (an output whose storage is not one of
+    the operator's inputs) until it is freed; ``take_peak`` gives the highest ``live`` seen
+    after any operator since the last call. Frees may come from other threads, so they are
+    queued and folded in on the owning thread.
+    """
+
+    def __init__(self):
+        super().__init__()
+        # id(storage) -> (device type, bytes, weak reference whose callback books the free)
+        self.sizes: dict[int, tuple[str, int, weakref.ref]] = {}
+        self._freed: deque[tuple[str, int]] = deque()
+        self._live: dict[str, int] = {}
+        self._peak: dict[str, int] = {}
+
+    def _on_free(self, key: int, _ref) -> None:
+        entry = self.sizes.pop(key, None)
+        if entry is not None:
+            self._freed.append(entry[:2])
+
+    def live(self) -> dict[str, int]:
+        """Bytes of the storages allocated under this mode that are still alive."""
+        while self._freed:
+            dev, n = self._freed.popleft()
+            self._live[dev] -= n
+        return self._live
+
+    def take_peak(self) -> dict[str, int]:
+        """The peak since the last call, which restarts from the current total."""
+        live = self.live()
+        peak = {d: max(self._peak.get(d, 0), live.get(d, 0)) for d in set(live) | set(self._peak)}
+        self._peak = {d: live.get(d, 0) for d in peak}
+        return peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        inputs = None
+        grew = False
+        for t in _op_tensors(out):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no plain storage
+                continue
+            key = id(st)
+            if key in self.sizes:
+                continue
+            if inputs is None:
+                inputs = {
+                    id(a.untyped_storage()) for a in _op_tensors(args) if a.layout == torch.strided
+                }
+                if kwargs:
+                    inputs.update(
+                        id(a.untyped_storage())
+                        for a in _op_tensors(tuple(kwargs.values()))
+                        if a.layout == torch.strided
+                    )
+            if key in inputs:  # in place, out= or a view: no new memory
+                continue
+            dev, n = t.device.type, st.nbytes()
+            self.sizes[key] = (dev, n, weakref.ref(st, partial(self._on_free, key)))
+            self._live[dev] = self._live.get(dev, 0) + n
+            grew = True
+        if grew:
+            for dev, n in self.live().items():
+                if n > self._peak.get(dev, 0):
+                    self._peak[dev] = n
+        return out
+
+
+def _op_tensors(obj) -> list[torch.Tensor]:
+    """The tensors of an operator's output or arguments (tensors, or sequences of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        found = []
+        for o in obj:
+            if isinstance(o, torch.Tensor):
+                found.append(o)
+            elif isinstance(o, (tuple, list)):
+                found += [x for x in o if isinstance(x, torch.Tensor)]
+        return found
+    return []
 
 
 class _Timeline(LiveBytes):

@@ -16,13 +16,15 @@ Memory by category is sampled at every event, and the highest total between two 
 kept too. Note [memory categories]: parameter shards, gathered parameters, gradients and
 optimizer state are read from the tensors themselves (storage sizes of each unit's buffers, of
 every ``.grad`` and of the optimizer's state); activations are everything else that the traced
-code allocated and still holds: a dispatch mode (``LiveBytes``) counts the storage of every
-tensor an operator creates until the storage is freed, and activations are that count minus
-the tracked storages that belong to the other categories (on CUDA: the caching allocator's
-``memory_allocated`` minus the categories, and its peak counter between samples, which the
-tracer resets). It includes autograd's saved
-tensors and short-lived temporaries such as activation gradients. Tensors allocated before the
-trace began count only where they belong to a category (e.g. shards, existing optimizer state).
+code allocated and still holds. On CPU, torch's profiler runs with memory profiling and no
+activity (``_Allocations``): the CPU allocator reports every allocation and free from C++, so
+no Python runs per operator; when the trace ends, that log is replayed to give the bytes alive
+at each sample and the highest total between samples, and activations are those bytes minus
+the category storages that the trace allocated (told apart by address). On CUDA: the caching
+allocator's ``memory_allocated`` minus the categories, and its peak counter between samples,
+which the tracer resets. It includes autograd's saved tensors and short-lived temporaries such
+as activation gradients. Tensors allocated before the trace began count only where they belong
+to a category (e.g. shards, existing optimizer state).
 
 Clocks: every rank passes a barrier on entry and counts time from there, so ranks line up to
 within the barrier's skew.
@@ -30,17 +32,26 @@ within the barrier's skew.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import time
 import weakref
-from collections import deque
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._C._profiler import (
+    ProfilerActivity,
+    ProfilerConfig,
+    ProfilerState,
+    _ExperimentalConfig,
+    _ExtraFields_Allocation,
+)
+from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
 
 from .. import events, groups
 from ..api import _runtime
@@ -53,96 +64,89 @@ VERSION = 1
 CATEGORIES = ("param_shards", "gathered", "gradients", "optimizer", "activations")
 
 
-class LiveBytes(TorchDispatchMode):
-    """Bytes held by the storages that operators allocate while active, per device type.
+class _Allocations:
+    """Every allocation and free of the CPU allocator on the entering thread, while active.
 
-    A storage counts from the operator that created it (an output whose storage is not one of
-    the operator's inputs) until it is freed. ``base`` holds bytes known from elsewhere (set by
-    the caller); ``peak`` is the highest ``live + base`` seen after any operator since the last
-    ``take_peak``. Frees may come from other threads (a collective's worker dropping its
-    buffers), so they are queued and folded in on the owning thread.
+    Torch's profiler with ``profile_memory`` and no activity to record: no operator callbacks,
+    only the allocator's own report of each block (address, signed size, time) from C++, read
+    once, at ``stop``. It misses frees made on other threads (a collective's worker dropping
+    the last reference to its buffers), so the category storages the tracer reads and the
+    buffers of every collective it follows are ``watch``ed too: a weak reference notes when
+    each is freed, on whichever thread; and ``_replay`` takes an address allocated again as
+    freed.
     """
 
     def __init__(self):
-        super().__init__()
-        # id(storage) -> (device type, bytes, weak reference whose callback books the free)
-        self.sizes: dict[int, tuple[str, int, weakref.ref]] = {}
-        self._freed: deque[tuple[str, int]] = deque()
-        self.base: dict[str, int] = {}
-        self._live: dict[str, int] = {}
-        self._peak: dict[str, int] = {}
+        self._watched: dict[int, weakref.ref] = {}  # id(storage) -> its weak reference
+        self._freed: list[tuple[int, int, int, int]] = []
 
-    def _on_free(self, key: int, _ref) -> None:
-        entry = self.sizes.pop(key, None)
-        if entry is not None:
-            self._freed.append(entry[:2])
+    def start(self) -> None:
+        if torch.autograd._profiler_enabled():
+            raise RuntimeError(
+                "shardwise.trace measures CPU memory with torch's profiler, which is already "
+                "running on this thread: trace and profile in separate runs"
+            )
+        config = ProfilerConfig(
+            ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig()
+        )
+        activities = {ProfilerActivity.MTIA}  # nothing to record on CPU or CUDA machines
+        with _quiet():  # kineto announces every start and stop on stderr
+            _prepare_profiler(config, activities)
+            _enable_profiler(config, activities)
 
-    def live(self) -> dict[str, int]:
-        """Bytes of the storages allocated under this mode that are still alive."""
-        while self._freed:
-            dev, n = self._freed.popleft()
-            self._live[dev] -= n
-        return self._live
+    def watch(self, st: torch.UntypedStorage, ptr: int) -> None:
+        key = id(st)
+        if key not in self._watched:
+            self._watched[key] = weakref.ref(st, partial(self._on_free, key, ptr, time.time_ns()))
 
-    def take_peak(self) -> dict[str, int]:
-        """The peak since the last call, which restarts from the current total."""
-        live = self.live()
-        peak = {
-            d: max(self._peak.get(d, 0), live.get(d, 0) + self.base.get(d, 0))
-            for d in set(live) | set(self.base) | set(self._peak)
-        }
-        self._peak = {d: live.get(d, 0) + self.base.get(d, 0) for d in peak}
-        return peak
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        inputs = None
-        grew = False
-        for t in _tensors(out):
-            try:
+    def watch_work(self, work) -> None:
+        """Watch the buffers of a completed collective, which the tracer held on to since its
+        issue: the last reference to them (e.g. a reduce-scatter's input) may go on the
+        collective's worker thread."""
+        try:
+            value = work.get_future().value()
+        except RuntimeError:  # a failed collective: its wait raises
+            return
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no plain storage
-                continue
-            key = id(st)
-            if key in self.sizes:
-                continue
-            if inputs is None:
-                inputs = {
-                    id(a.untyped_storage()) for a in _tensors(args) if a.layout == torch.strided
-                }
-                if kwargs:
-                    inputs.update(
-                        id(a.untyped_storage())
-                        for a in _tensors(tuple(kwargs.values()))
-                        if a.layout == torch.strided
-                    )
-            if key in inputs:  # in place, out= or a view: no new memory
-                continue
-            dev, n = t.device.type, st.nbytes()
-            self.sizes[key] = (dev, n, weakref.ref(st, partial(self._on_free, key)))
-            self._live[dev] = self._live.get(dev, 0) + n
-            grew = True
-        if grew:
-            for dev, n in self.live().items():
-                total = n + self.base.get(dev, 0)
-                if total > self._peak.get(dev, 0):
-                    self._peak[dev] = total
+                if st.nbytes():
+                    self.watch(st, st.data_ptr())
+
+    def _on_free(self, key: int, ptr: int, seen: int, _ref) -> None:
+        self._watched.pop(key, None)
+        self._freed.append((time.time_ns(), ptr, 0, seen))
+
+    def stop(self) -> list[tuple[int, int, int, int]]:
+        """End the log: (time in ns since the epoch, address, signed bytes, 0) per allocator
+        event and (time, address, 0, time it was watched) per watched storage freed."""
+        with _quiet():  # and warns that memory events have no kineto counterpart
+            result = _disable_profiler()
+            cpu = torch.device("cpu")
+            out = [
+                (e.start_time_ns, f.ptr, f.alloc_size, 0)
+                for e in result.experimental_event_tree()
+                if isinstance(f := e.extra_fields, _ExtraFields_Allocation) and f.device == cpu
+            ]
+        self._watched.clear()  # no callbacks from here on
+        out += self._freed
+        self._freed = []
+        out.sort(key=lambda e: e[0])
         return out
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """The tensors of an operator's output or arguments (tensors, or sequences of them)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        found = []
-        for o in obj:
-            if isinstance(o, torch.Tensor):
-                found.append(o)
-            elif isinstance(o, (tuple, list)):
-                found += [x for x in o if isinstance(x, torch.Tensor)]
-        return found
-    return []
+@contextlib.contextmanager
+def _quiet():
+    """Send this process's stderr (file descriptor 2) to /dev/null for the block."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 Storages = dict[int, tuple[str, torch.UntypedStorage]]  # id(storage) -> (category, storage)
@@ -161,14 +165,16 @@ class _Known:
     at a step's start and end. Gathered buffers, reduction buffers and the gradients of a unit
     in backward are read at every sample."""
 
-    def __init__(self, units: list[Unit], optimizer: torch.optim.Optimizer | None, runtime, probe):
-        self.units, self.optimizer, self.runtime, self.probe = units, optimizer, runtime, probe
+    def __init__(self, units: list[Unit], optimizer: torch.optim.Optimizer | None, runtime, watch):
+        self.units, self.optimizer, self.runtime, self.watch = units, optimizer, runtime, watch
         self.shards: Storages = {}
         for u in units:
             for p in [u.flat_shard] if isinstance(u, ShardedUnit) else u.params:
                 _add(self.shards, "param_shards", p)
         self.opt: Storages = {}
         self.grads: dict[int, Storages] = {}
+        # the sums of each part (shards, optimizer state, each unit's shard gradients)
+        self.parts: dict[object, _Sums] = {"shards": _Sums(self.shards, watch)}
         self.refresh()
 
     def refresh(self, unit: int | None = None) -> None:
@@ -178,18 +184,25 @@ class _Known:
             for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
                 _add(g, "gradients", p.grad)
             self.grads[i] = g
+            self.parts[i] = _Sums(g, self.watch)
         if unit is None and self.optimizer is not None:
             self.opt = {}
             for st in self.optimizer.state.values():
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         _add(self.opt, "optimizer", v)
-        cached: Storages = {**self.shards, **self.opt}
-        for g in self.grads.values():
-            cached.update(g)
-        self.cached_ids = set(cached)
-        self.cached = _Sums()
-        self.cached.add_all(cached, self.probe)
+            self.parts["opt"] = _Sums(self.opt, self.watch)
+        parts = [self.shards, self.opt, *self.grads.values()]
+        self.cached_ids = set().union(*parts)
+        if len(self.cached_ids) == sum(map(len, parts)):  # disjoint: add up the parts' sums
+            self.cached = _Sums()
+            for part in self.parts.values():
+                self.cached = self.cached.plus(part)
+        else:  # a storage in two parts counts once
+            cached: Storages = {}
+            for part in parts:
+                cached.update(part)
+            self.cached = _Sums(cached, self.watch)
 
     def dynamic(self) -> Storages:
         """The buffers that come and go within a step (those not summed in ``cached``)."""
@@ -221,23 +234,22 @@ class _Known:
 
 
 class _Sums:
-    """Bytes per device: by category, and split into what the probe counts (``tracked``) and
-    what it does not (``base``: allocated before the trace began)."""
+    """Bytes per device and category, and the addresses of the CPU storages among them
+    (``blocks``: which of them the trace allocated is known only when its log is replayed),
+    each passed to ``watch``."""
 
-    def __init__(self):
+    def __init__(self, storages: Storages | None = None, watch=None):
         self.cats: dict[str, dict[str, int]] = {}
-        self.tracked: dict[str, int] = {}
-        self.base: dict[str, int] = {}
-
-    def add_all(self, storages: Storages, probe: LiveBytes | None) -> None:
-        sizes = probe.sizes if probe is not None else {}
-        for key, (cat, st) in storages.items():
+        self.blocks: list[int] = []
+        for cat, st in (storages or {}).values():
             n, dev = st.nbytes(), st.device.type
             if dev not in self.cats:
                 self.cats[dev] = dict.fromkeys(CATEGORIES, 0)
             self.cats[dev][cat] += n
-            split = self.tracked if key in sizes else self.base
-            split[dev] = split.get(dev, 0) + n
+            if dev == "cpu" and n and watch is not None:
+                ptr = st.data_ptr()
+                self.blocks.append(ptr)
+                watch(st, ptr)
 
     def plus(self, other: _Sums) -> _Sums:
         out = _Sums()
@@ -246,11 +258,44 @@ class _Sums:
                 mine = out.cats.setdefault(dev, dict.fromkeys(CATEGORIES, 0))
                 for k, v in c.items():
                     mine[k] += v
-            for name in ("tracked", "base"):
-                d = getattr(out, name)
-                for dev, v in getattr(src, name).items():
-                    d[dev] = d.get(dev, 0) + v
+        out.blocks = self.blocks + other.blocks
         return out
+
+
+def _replay(
+    samples: list[tuple[int, float, dict[str, dict[str, int]], list[int]]],
+    log: list[tuple[int, int, int, int]],
+) -> list[list]:
+    """The CPU memory rows: each sample's categories with activations, and the highest total
+    since the previous sample, from the allocator's log (see Note [memory categories])."""
+    live: dict[int, tuple[int, int]] = {}  # address -> (bytes, time) of a block of the trace
+    total, i, base_before, rows = 0, 0, None, []
+    for t_ns, rel, cats, blocks in samples:
+        high = total
+        while i < len(log) and log[i][0] <= t_ns:
+            t, ptr, n, seen = log[i]
+            i += 1
+            if n > 0:  # an address still alive here was freed on a thread the log misses
+                total += n - live.get(ptr, (0, 0))[0]
+                live[ptr] = (n, t)
+                high = max(high, total)
+            elif n < 0:
+                total -= live.pop(ptr, (0, 0))[0]
+            elif ptr in live and live[ptr][1] <= seen:  # a watched storage freed: its block
+                total -= live.pop(ptr)[0]
+        tracked = sum(live[ptr][0] for ptr in set(blocks) if ptr in live)
+        d = cats.setdefault("cpu", dict.fromkeys(CATEGORIES, 0))
+        d["activations"] = total - tracked
+        base = sum(d.values()) - total  # category bytes allocated before the trace
+        base_before = base if base_before is None else base_before
+        rows.append(
+            [rel, "cpu", *(d[c] for c in CATEGORIES), max(high + base_before, total + base)]
+        )
+        base_before = base
+        for dev, other in sorted(cats.items()):
+            if dev not in ("cpu", "meta"):
+                rows.append([rel, dev, *(other[c] for c in CATEGORIES), sum(other.values())])
+    return rows
 
 
 class Trace:
@@ -268,10 +313,12 @@ class Trace:
         self._memory: list[list] = []
         self._steps: list[list[float]] = []
         self._device = groups.device()
-        # Note [memory categories]: on CUDA the allocator's counters, elsewhere a dispatch mode
-        self._probe = LiveBytes() if self._device.type != "cuda" else None
+        # Note [memory categories]: on CUDA the allocator's counters, on CPU its log
+        self._log = _Allocations() if self._device.type != "cuda" else None
+        self._pending: list = []  # CPU samples, completed from the log at the end
         self._handles = []
-        self._flight: dict[int, tuple[str, int, object]] = {}  # id(Pending) -> stream, unit, it
+        # id(Pending) -> stream, unit, it, and on CPU its works (see _Allocations.watch_work)
+        self._flight: dict[int, tuple[str, int, object, list]] = {}
         self._t0 = 0.0
 
     # --- recording
@@ -294,9 +341,10 @@ class Trace:
                     lambda *a: self._event("optimizer", -1, edge="end")
                 )
             )
-        self._known = _Known(self.units, self.optimizer, self.runtime, self._probe)
-        if self._probe is not None:
-            self._probe.__enter__()
+        watch = self._log.watch if self._log is not None else None
+        self._known = _Known(self.units, self.optimizer, self.runtime, watch)
+        if self._log is not None:
+            self._log.start()
         else:
             torch.cuda.reset_peak_memory_stats(self._device)
         events.listen(self._on_event)
@@ -305,12 +353,16 @@ class Trace:
 
     def __exit__(self, *exc) -> None:
         events.unlisten(self._on_event)
-        self._known.refresh()  # e.g. gradients freed by zero_grad since the last event
-        self._sample(time.perf_counter())
-        if self._probe is not None:
-            self._probe.__exit__(*exc)
-        for h in self._handles:
-            h.remove()
+        try:
+            self._known.refresh()  # e.g. gradients freed by zero_grad since the last event
+            self._sample(time.perf_counter())
+        finally:
+            log = self._log.stop() if self._log is not None else None
+            self._flight.clear()  # (holds collectives' works on CPU)
+            for h in self._handles:
+                h.remove()
+        if log is not None:
+            self._memory, self._pending = _replay(self._pending, log), []
         if self._steps:
             self._steps[-1][1] = self._rel(time.perf_counter())
         if exc[0] is None:
@@ -358,42 +410,44 @@ class Trace:
         if name in ("gather_issue", "reduce_issue") and unit >= 0:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
-                self._flight[id(p)] = (name.split("_")[0], unit, p)
+                works = list(p.works or ()) if self._log is not None else []
+                self._flight[id(p)] = (name.split("_")[0], unit, p, works)
         self._poll(rel)
         self._sample(t)
 
     def _poll(self, rel: float) -> None:
         """Note the collectives that completed since the last event (see the module doc)."""
-        for key, (stream, unit, p) in list(self._flight.items()):
+        for key, (stream, unit, p, works) in list(self._flight.items()):
             if p.completed():
                 del self._flight[key]
                 self._events.append([rel, stream + "_complete", unit])
+                for w in works:
+                    self._log.watch_work(w)
 
     def _sample(self, t: float) -> None:
         """One memory sample per device: categories, and the peak total since the last one."""
-        now = _Sums()
-        now.add_all(self._known.dynamic(), self._probe)
-        sums = self._known.cached.plus(now)
-        cats, tracked, base = sums.cats, sums.tracked, sums.base
-        if self._probe is not None:
-            for dev, n in self._probe.live().items():
-                cats.setdefault(dev, dict.fromkeys(CATEGORIES, 0))["activations"] = n - tracked.get(
-                    dev, 0
-                )
-            self._probe.base = base
-            peak = self._probe.take_peak()
-        else:  # CUDA: the caching allocator counts every tensor of the device
-            dev = self._device
-            total = torch.cuda.memory_allocated(dev)
-            peak = {"cuda": max(torch.cuda.max_memory_allocated(dev), total)}
-            torch.cuda.reset_peak_memory_stats(dev)
-            d = cats.setdefault("cuda", dict.fromkeys(CATEGORIES, 0))
-            d["activations"] = max(0, total - base.get("cuda", 0))
+        if self._log is not None:  # CPU: activations and peak once the log is read
+            now = time.time_ns()
+            sums = self._known.cached.plus(_Sums(self._known.dynamic(), self._log.watch))
+            self._pending.append((now, self._rel(t), sums.cats, sums.blocks))
+            return
+        sums = self._known.cached.plus(_Sums(self._known.dynamic()))
+        dev = self._device  # CUDA: the caching allocator counts every tensor of the device
+        total = torch.cuda.memory_allocated(dev)
+        peak = max(torch.cuda.max_memory_allocated(dev), total)
+        torch.cuda.reset_peak_memory_stats(dev)
         rel = self._rel(t)
-        for dev, d in sorted(cats.items()):
-            if dev != "meta":
+        for name, d in sorted(sums.cats.items()):
+            if name == "cuda":
+                d["activations"] = max(0, total - sum(d.values()))
+            if name != "meta":
                 self._memory.append(
-                    [rel, dev, *(d[c] for c in CATEGORIES), peak.get(dev, sum(d.values()))]
+                    [
+                        rel,
+                        name,
+                        *(d[c] for c in CATEGORIES),
+                        peak if name == "cuda" else sum(d.values()),
+                    ]
                 )
 
     # --- results
@@ -655,7 +709,7 @@ def to_chrome(data: dict) -> dict:
 
 
 def summary(data: dict) -> list[dict]:
-    """Per rank and device: the measured peak (highest total between any two operators), the
+    """Per rank and device: the measured peak (highest total at any allocation), the
     categories at the sample where the total was highest, and the model state (parameter
     shards, gradients and optimizer state) at its highest at a step's end."""
     cats = data["categories"]
