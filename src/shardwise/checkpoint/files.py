@@ -9,7 +9,6 @@ a save writes straight from the shards with no serialised copy.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -126,13 +125,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
     if t.device.type != "cpu":
         raise AssertionError(f"writer got a tensor on {t.device}; parts must be in host memory")
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    # a view of the tensor's memory (torch needs numpy for .numpy(), which we do not require)
-    raw = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
-    raw._tensor = flat  # the view keeps ``raw`` alive, and ``raw`` the memory
-    return memoryview(raw).cast("B")
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def checksum(path: Path) -> tuple[int, str]:
