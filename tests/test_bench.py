@@ -28,7 +28,8 @@ def test_bench_runs_every_system(pools, tmp_path):
     # the counter agrees with ours; on Gloo our gathers are broadcasts and our reduce-scatters reduces
     on_gloo = {"broadcast": "all_gather", "reduce": "reduce_scatter"}
     counted = {on_gloo.get(k, k): v for k, v in own["bytes_by_kind"].items()}
-    assert own["shardwise_comm_stats_bytes"] == counted == {"all_gather": counted["all_gather"], "reduce_scatter": counted["reduce_scatter"]}
+    assert own["shardwise_comm_stats_bytes"] == counted
+    assert set(counted) == {"all_gather", "reduce_scatter"}
     assert rows["floor"]["x_floor"] == 1.0 and own["x_fsdp2"] > 0 and own["x_ddp"] > 0
 
     saved = json.loads((tmp_path / "bench.json").read_text())

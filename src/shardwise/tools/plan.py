@@ -16,8 +16,8 @@ How it predicts, for one configuration:
    backward begin and end and when its gradients are complete.
 3. That timeline is replayed through the runtime's rules (gather on first use, prefetch of
    the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
-   unit that ran last) or after backward, one reduce per unit once its gradients are complete, every reduction finished at
-   the end of backward), adding at each moment the gathered buffers (and the gather's
+   unit that ran last) or after backward, one reduce per unit once its gradients are
+   complete, every reduction finished at the end of backward), adding at each moment the gathered buffers (and the gather's
    temporary copy while in flight), the unsharded gradients of units not yet reduced and the
    reduction buffers, on top of the shards and the optimizer state.
 4. The optimizer named (AdamW by default) steps twice on meta shards of rank 0's shapes: its
@@ -224,7 +224,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         inputs = None
         grew = False
-        for t in _op_tensors(out):
+        for t in _tensors(out, []):
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no plain storage
@@ -234,14 +234,10 @@ class LiveBytes(TorchDispatchMode):
                 continue
             if inputs is None:
                 inputs = {
-                    id(a.untyped_storage()) for a in _op_tensors(args) if a.layout == torch.strided
+                    id(a.untyped_storage())
+                    for a in _tensors((args, kwargs), [])
+                    if a.layout == torch.strided
                 }
-                if kwargs:
-                    inputs.update(
-                        id(a.untyped_storage())
-                        for a in _op_tensors(tuple(kwargs.values()))
-                        if a.layout == torch.strided
-                    )
             if key in inputs:  # in place, out= or a view: no new memory
                 continue
             dev, n = t.device.type, st.nbytes()
@@ -253,21 +249,6 @@ class LiveBytes(TorchDispatchMode):
                 if n > self._peak.get(dev, 0):
                     self._peak[dev] = n
         return out
-
-
-def _op_tensors(obj) -> list[torch.Tensor]:
-    """The tensors of an operator's output or arguments (tensors, or sequences of them)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        found = []
-        for o in obj:
-            if isinstance(o, torch.Tensor):
-                found.append(o)
-            elif isinstance(o, (tuple, list)):
-                found += [x for x in o if isinstance(x, torch.Tensor)]
-        return found
-    return []
 
 
 class _Timeline(LiveBytes):
