@@ -25,16 +25,16 @@ def test_shards_partition_every_parameter(world):
 def test_pack_gather_unpack_round_trip(world):
     lay = Layout.build(SHAPES, world)
     full = [torch.randn(shape) for _, shape in SHAPES]
-    packed = lay.pack(full)  # (world, shard_numel): row r is rank r's flat shard
-    assert packed.shape == (world, lay.shard_numel)
+    packed = torch.full((world, lay.shard_numel), float("nan"))  # pack must write every element
+    lay.pack(full, list(packed))  # row r is rank r's flat shard
     for r in range(world):
         for slot, view, t in zip(lay.slots, lay.shard_views(packed[r], r), full):
             start, stop = slot.row_range(r)
             assert view.shape == slot.local_shape(r)
             assert torch.equal(view.reshape(-1), t.reshape(slot.rows, -1)[start:stop].reshape(-1))
-    # an all-gather concatenates the rows: unpack must rebuild every parameter exactly
-    flat_full = torch.empty(lay.unsharded_numel)
-    lay.unpack(packed.reshape(-1), flat_full)
+    # a gather yields every rank's row: unpack must rebuild every parameter exactly
+    flat_full = torch.full((lay.unsharded_numel,), float("nan"))
+    lay.unpack(list(packed), flat_full)
     for v, t in zip(lay.unsharded_views(flat_full), full):
         assert v.shape == t.shape and torch.equal(v, t)
 
@@ -49,7 +49,8 @@ def test_subset_keeps_shapes_and_recomputes_offsets():
 
 def test_padding_rows_are_zero():
     lay = Layout.build([("p", (5, 2))], 4)  # 2 rows per rank; rank 2 has 1, rank 3 none
-    packed = lay.pack([torch.ones(5, 2)])
+    packed = torch.full((4, lay.shard_numel), float("nan"))
+    lay.pack([torch.ones(5, 2)], list(packed))
     assert packed.sum().item() == 10
     assert lay.slots[0].local_shape(3) == (0, 2)
     assert torch.equal(packed[3], torch.zeros(4))

@@ -6,11 +6,13 @@ rank: (N-1)/N of the full tensor for all-gather and reduce-scatter, twice that f
 
 Note [Gloo gather and reduce-scatter]: Gloo's tensor all-gather stages through a fresh
 full-size buffer and a copy, and its tensor reduce-scatter clones the input and all-reduces
-the clone (twice the bytes). On Gloo, shardwise issues instead one in-place broadcast per
-rank's slice of the output (all-gather) and one in-place reduce per rank's slice of the input
-(reduce-scatter), all asynchronous: the same bytes per rank, no staging, less CPU
-(docs/benchmarks.md measures it). The reduce-scatter's input is scratch there. NCCL keeps its
-own collectives.
+the clone (twice the bytes). On Gloo, shardwise issues instead one broadcast per rank, each
+rank sending its shard from where it lies into the others' receive rows (all-gather), and one
+in-place reduce per destination rank, this rank's own row being its output (reduce-scatter),
+all asynchronous: the same bytes per rank, no staging, no copy of this rank's own slice, less
+CPU (docs/benchmarks.md measures it). So the collectives hand out rows, one per rank
+(``all_gather``'s result, ``scatter_rows``), not one rank-major tensor. NCCL keeps its own
+collectives (its rows are those of one rank-major buffer).
 """
 
 from __future__ import annotations
@@ -64,11 +66,13 @@ class Pending:
     """An issued collective (one or more works); ``wait()`` blocks until it is done, runs
     its completion step, if any, and books its time."""
 
-    __slots__ = ("works", "finish", "kind", "label", "group", "t_issue", "nbytes", "_done")
+    __slots__ = ("works", "finish", "kind", "label", "group", "t_issue", "nbytes", "result", "_done")
 
-    def __init__(self, works: list, finish, kind: str, label: str, group, t_issue: float, nbytes: int):
+    def __init__(
+        self, works: list, finish, kind: str, label: str, group, t_issue: float, nbytes: int, result=None
+    ):
         self.works, self.finish, self.kind, self.label, self.group = works, finish, kind, label, group
-        self.t_issue, self.nbytes = t_issue, nbytes
+        self.t_issue, self.nbytes, self.result = t_issue, nbytes, result
         self._done = not works
 
     def completed(self) -> bool:
@@ -166,17 +170,17 @@ def check_collectives(enabled: bool) -> None:
     _check = _SequenceCheck() if enabled else None
 
 
-def _issue(kind: str, label: str, group, full: torch.Tensor, fn, *args, **kwargs) -> Pending:
-    """Issue ``fn`` asynchronously; it returns a work, or (works, completion step)."""
+def _issue(kind: str, label: str, group, nbytes: int, check: torch.Tensor, fn, *args, **kwargs) -> Pending:
+    """Issue ``fn`` asynchronously; it returns a work, or (works, completion step, result)."""
     if _check is not None and group is None:
-        _check.check(kind, label, full)
+        _check.check(kind, label, check)
     t0 = time.perf_counter()
     try:
         issued = fn(*args, group=group, async_op=True, **kwargs)
     except Exception as exc:
         raise _collective_error(kind, label, group, exc) from exc
-    works, finish = issued if isinstance(issued, tuple) else ([issued], None)
-    return Pending(works, finish, kind, label, group, t0, full.numel() * full.element_size())
+    works, finish, result = issued if isinstance(issued, tuple) else ([issued], None, None)
+    return Pending(works, finish, kind, label, group, t0, nbytes, result)
 
 
 def _on_gloo(group) -> bool:
@@ -187,45 +191,84 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
-def _gather_by_broadcasts(out: torch.Tensor, shard: torch.Tensor, *, group, async_op: bool):
-    """All-gather as one in-place broadcast per rank's slice (Note [Gloo gather and reduce-scatter])."""
+def _gather_rows(shard: torch.Tensor, *, group, async_op: bool):
+    """Every rank's shard, as a list indexed by rank: this rank's is ``shard`` itself.
+
+    Gloo: one in-place broadcast per rank into N-1 receive rows (Note [Gloo gather and
+    reduce-scatter]). Otherwise one all-gather into a rank-major buffer.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    slices = out.view(world, -1)
-    slices[rank].copy_(shard.view(-1))
-    works = [
-        dist.broadcast(slices[r], _global_rank(group, r), group=group, async_op=async_op)
-        for r in range(world)
-    ]
-    return works, None
+    mine = shard.view(-1)
+    if world == 1:
+        return [], None, [mine]
+    if _on_gloo(group):
+        rows = list(mine.new_empty(world - 1, mine.numel()).unbind(0))
+        rows.insert(rank, mine)
+        works = [
+            dist.broadcast(rows[r], _global_rank(group, r), group=group, async_op=async_op)
+            for r in range(world)
+        ]
+        return works, None, rows
+    out = mine.new_empty(world, mine.numel())
+    return [_all_gather_tensor(out, mine, group=group, async_op=async_op)], None, list(out.unbind(0))
 
 
-def _reduce_scatter_by_reduces(out: torch.Tensor, full: torch.Tensor, *, group, async_op: bool):
-    """Reduce-scatter as one in-place reduce per rank's slice (Note [Gloo gather and
-    reduce-scatter]); this rank's slice is copied to ``out`` at the wait."""
+def all_gather(shard: torch.Tensor, group, label: str) -> Pending:
+    """Gather every rank's equal-sized ``shard``, asynchronously; after ``wait()``,
+    ``result[r]`` is rank r's shard (``result[rank]`` is ``shard``: read it, don't write it)."""
+    world = dist.get_world_size(group)
+    nbytes = world * shard.numel() * shard.element_size()
+    _book("all_gather", nbytes, world)
+    return _issue("all_gather", label, group, nbytes, shard, _gather_rows, shard)
+
+
+@dataclass
+class ScatterRows:
+    """The buffers of one reduce-scatter of ``numel`` elements per rank (``scatter_rows``).
+
+    Fill ``rows[r]`` with this rank's contribution to rank r's sum, then ``reduce_scatter``;
+    ``out`` holds this rank's sum after the wait. On Gloo ``out`` is this rank's own row,
+    reduced in place, and the other rows are scratch.
+    """
+
+    rows: list[torch.Tensor]
+    out: torch.Tensor
+    full: torch.Tensor | None  # the rows as one rank-major tensor, where the backend needs it
+
+
+def scatter_rows(numel: int, dtype: torch.dtype, device: torch.device, group) -> ScatterRows:
+    """Fresh buffers for a reduce-scatter over ``group`` (see ``ScatterRows``)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    slices = full.view(world, -1)
-    works = [
-        dist.reduce(slices[r], _global_rank(group, r), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        for r in range(world)
-    ]
-    return works, lambda: out.view(-1).copy_(slices[rank])
+    out = torch.empty(numel, dtype=dtype, device=device)
+    if world == 1:
+        return ScatterRows([out], out, None)
+    if _on_gloo(group):
+        rows = list(torch.empty(world - 1, numel, dtype=dtype, device=device).unbind(0))
+        rows.insert(rank, out)
+        return ScatterRows(rows, out, None)
+    full = torch.empty(world, numel, dtype=dtype, device=device)
+    return ScatterRows(list(full.unbind(0)), out, full)
 
 
-def all_gather(out: torch.Tensor, shard: torch.Tensor, group, label: str) -> Pending:
-    """Gather every rank's equal-sized ``shard`` into ``out`` (rank-major), asynchronously."""
+def _reduce_rows(buf: ScatterRows, *, group, async_op: bool):
+    if buf.full is None:  # Gloo: one in-place reduce per destination rank
+        works = [
+            dist.reduce(row, _global_rank(group, r), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            for r, row in enumerate(buf.rows)
+        ]
+        return works, None, None
+    return [_reduce_scatter_tensor(buf.out, buf.full, group=group, async_op=async_op)], None, None
+
+
+def reduce_scatter(buf: ScatterRows, group, label: str) -> Pending:
+    """Sum the filled ``buf.rows`` over ranks into ``buf.out``, asynchronously (the other
+    rows are scratch afterwards)."""
     world = dist.get_world_size(group)
-    _book("all_gather", out.numel() * out.element_size(), world)
-    fn = _gather_by_broadcasts if _on_gloo(group) else _all_gather_tensor
-    return _issue("all_gather", label, group, out, fn, out, shard)
-
-
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, label: str) -> Pending:
-    """Sum ``full`` over ranks and leave this rank's equal slice in ``out``, asynchronously.
-    ``full`` is scratch: on Gloo it holds partial sums afterwards."""
-    world = dist.get_world_size(group)
-    _book("reduce_scatter", full.numel() * full.element_size(), world)
-    fn = _reduce_scatter_by_reduces if _on_gloo(group) else _reduce_scatter_tensor
-    return _issue("reduce_scatter", label, group, full, fn, out, full)
+    nbytes = world * buf.out.numel() * buf.out.element_size()
+    _book("reduce_scatter", nbytes, world)
+    if world == 1:
+        return Pending([], None, "reduce_scatter", label, group, time.perf_counter(), nbytes)
+    return _issue("reduce_scatter", label, group, nbytes, buf.out, _reduce_rows, buf)
 
 
 def all_reduce(
@@ -234,11 +277,13 @@ def all_reduce(
     """Reduce ``tensor`` in place over ranks, asynchronously."""
     world = dist.get_world_size(group)
     _book("all_reduce", tensor.numel() * tensor.element_size(), world, factor=2)
-    return _issue("all_reduce", label, group, tensor, dist.all_reduce, tensor, op=op)
+    nbytes = tensor.numel() * tensor.element_size()
+    return _issue("all_reduce", label, group, nbytes, tensor, dist.all_reduce, tensor, op=op)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank, asynchronously."""
     world = dist.get_world_size(group)
     _book("broadcast", tensor.numel() * tensor.element_size(), world)
-    return _issue("broadcast", label, group, tensor, dist.broadcast, tensor, _global_rank(group, src_rank))
+    nbytes = tensor.numel() * tensor.element_size()
+    return _issue("broadcast", label, group, nbytes, tensor, dist.broadcast, tensor, _global_rank(group, src_rank))

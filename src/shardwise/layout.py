@@ -4,9 +4,10 @@ Row (dim-0) sharding: rank k owns rows [k*R, (k+1)*R) of every parameter, R = ce
 so a shard is shaped like its parameter (natural optimizer state, state dicts, resharding).
 A 0-dim parameter counts as one row of one element. Each rank keeps its shards of a unit in one
 flat buffer of ``shard_numel`` elements (segment i holds parameter i's R rows, zero padded),
-which is exactly the input of the unit's all-gather: no copy-in. The gathered buffer is
-rank-major ``(N, shard_numel)``; ``unpack`` copies it out, in one fused copy, to the
-parameter-major unsharded buffer whose slices are the full parameters.
+which is exactly the input of the unit's all-gather: no copy-in. A gather yields every rank's
+flat shard (this rank's is its own buffer); ``unpack`` copies them out to the parameter-major
+unsharded buffer whose slices are the full parameters, and ``pack`` is the reverse for
+gradients.
 
 Pure tensor bookkeeping: no process group here, unit-tested on its own.
 """
@@ -14,6 +15,7 @@ Pure tensor bookkeeping: no process group here, unit-tested on its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,28 +111,30 @@ class Layout:
             start += self.world_size * s.shard_numel
         return views
 
-    def unpack(self, gathered: torch.Tensor, flat_full: torch.Tensor) -> None:
-        """Copy a rank-major gathered buffer into the parameter-major unsharded buffer."""
+    def unpack(self, rows: Sequence[torch.Tensor], flat_full: torch.Tensor) -> None:
+        """Copy every rank's flat shard (``rows[r]``: rank r's) into its rows of each
+        parameter in the parameter-major unsharded buffer."""
         n = self.world_size
         sizes = [s.shard_numel for s in self.slots]
-        outs = list(torch.split(flat_full, [n * k for k in sizes]))
-        torch.split_with_sizes_copy(
-            gathered.view(n, -1), sizes, dim=1, out=[o.view(n, k) for o, k in zip(outs, sizes)]
-        )
+        segments = torch.split(flat_full, [n * k for k in sizes])
+        for r, row in enumerate(rows):
+            outs = [seg[r * k : (r + 1) * k] for seg, k in zip(segments, sizes)]
+            torch.split_with_sizes_copy(row.view(-1), sizes, out=outs)
 
-    def pack(self, full: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Lay full tensors (one per slot) out rank-major: the input of a reduce-scatter.
+    def pack(self, full: list[torch.Tensor], rows: Sequence[torch.Tensor]) -> None:
+        """Lay full tensors (one per slot) out as every rank's flat shard: ``rows[r]`` gets
+        rank r's (the input of a reduce-scatter), cast to its dtype."""
+        for r, row in enumerate(rows):
+            self.pack_row(full, r, row)
 
-        Row r of the ``(world_size, shard_numel)`` result is the flat shard rank r owns.
-        """
-        n = self.world_size
+    def pack_row(self, full: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
+        """Write ``rank``'s flat shard of full tensors (one per slot) into ``out``, zero padded."""
         parts = []
         for s, t in zip(self.slots, full):
             flat = t.reshape(-1)
-            pad = n * s.shard_numel - s.numel
-            if pad:
-                flat = torch.nn.functional.pad(flat, (0, pad))
-            parts.append(flat.view(n, s.shard_numel))
-        if out is None:
-            return torch.cat(parts, dim=1)
-        return torch.cat(parts, dim=1, out=out.view(n, -1))
+            start = min(rank * s.shard_numel, s.numel)
+            stop = min(start + s.shard_numel, s.numel)
+            parts.append(flat[start:stop])
+            if stop - start < s.shard_numel:
+                parts.append(flat.new_zeros(s.shard_numel - (stop - start)))
+        torch.cat(parts, out=out.view(-1))

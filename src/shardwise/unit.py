@@ -168,7 +168,6 @@ class ShardedUnit(Unit):
         self.exposed = True  # between steps the modules hold the shard parameters
         self._free_full()
         self.state = UnitState.SHARDED
-        self._gathered: torch.Tensor | None = None
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
         self._reduce: C.Pending | None = None
@@ -199,26 +198,23 @@ class ShardedUnit(Unit):
         if self._alias:
             self.state = UnitState.GATHERING
             return
-        if self.world == 1:  # the cast copy lands in the full buffer itself
-            self._allocate_full()
-            self._gathered = self._flat_full_data
-        else:  # rank-major; the full buffer is allocated only at the wait, for the copy-out
-            self._gathered = torch.empty_like(self._flat_full_data)
+        # the gather receives into rows of its own; the full buffer is allocated only at the
+        # wait, for the copy-out
         if self._copy_stream is not None:  # offload on CUDA: copy and gather off the compute stream
             self._copy_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._copy_stream):
                 self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
-                self._gather = C.all_gather(self._gathered, self._send, self.group, self.label)
+                self._gather = C.all_gather(self._send, self.group, self.label)
         else:
             self._send = (
                 self.flat_shard
                 if self._direct
                 else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
             )
-            self._gather = C.all_gather(self._gathered, self._send, self.group, self.label)
+            self._gather = C.all_gather(self._send, self.group, self.label)
         self.state = UnitState.GATHERING
         if events.listeners:
-            events.emit("gather_issue", self.label, bytes=self._gathered.numel() * self._gathered.element_size())
+            events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
 
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
@@ -227,13 +223,14 @@ class ShardedUnit(Unit):
         if self.state is UnitState.GATHERING:
             if self._gather is not None:
                 self._gather.wait()
-            if self._copy_stream is not None:
-                torch.cuda.current_stream().wait_stream(self._copy_stream)
-                self._gathered.record_stream(torch.cuda.current_stream())
-            if self.world > 1:
+                rows = self._gather.result
+                if self._copy_stream is not None:
+                    torch.cuda.current_stream().wait_stream(self._copy_stream)
+                    for row in rows:
+                        row.record_stream(torch.cuda.current_stream())
                 self._allocate_full()
-                self.layout.unpack(self._gathered, self._flat_full_data)
-            self._gathered = self._send = self._gather = None
+                self.layout.unpack(rows, self._flat_full_data)
+            self._send = self._gather = None
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
             if events.listeners:
@@ -269,20 +266,18 @@ class ShardedUnit(Unit):
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
             return
-        full = self.grad_layout.pack(grads)
-        if full.dtype != self.reduce_dtype:
-            full = full.to(self.reduce_dtype)
+        buf = C.scatter_rows(self.grad_layout.shard_numel, self.reduce_dtype, self.device, self.group)
+        self.grad_layout.pack(grads, buf.rows)  # casts to the reduction dtype on the way
+        del grads
         self._predivided = self.reduce_dtype.itemsize < 4
         if self._predivided:
-            full.div_(self.world)
-        if self.world == 1:
-            self._reduce_out, self._reduce = full.view(-1), None
-        else:
-            self._reduce_out = full.new_empty(self.grad_layout.shard_numel)
-            self._reduce = C.reduce_scatter(self._reduce_out, full.view(-1), self.group, self.label)
+            for row in buf.rows:
+                row.div_(self.world)
+        self._reduce_out = buf.out
+        self._reduce = C.reduce_scatter(buf, self.group, self.label) if self.world > 1 else None
         self.reduce_issued = True
         if events.listeners:
-            events.emit("reduce_issue", self.label, bytes=full.numel() * full.element_size())
+            events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters
@@ -321,18 +316,18 @@ class ShardedUnit(Unit):
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, as fresh tensors (one blocking all-gather)."""
-        send = self.flat_shard.to(self.device)
-        gathered = torch.empty(self.layout.unsharded_numel, dtype=send.dtype, device=self.device)
-        C.all_gather(gathered, send, self.group, self.label).wait()
-        full = torch.empty_like(gathered)
-        self.layout.unpack(gathered, full)
+        gather = C.all_gather(self.flat_shard.to(self.device), self.group, self.label)
+        gather.wait()
+        full = torch.empty(self.layout.unsharded_numel, dtype=self.flat_shard.dtype, device=self.device)
+        self.layout.unpack(gather.result, full)
         return self.layout.unsharded_views(full)
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Set this rank's shards from full tensors (one per slot, the same on every rank)."""
         with torch.no_grad():
-            packed = self.layout.pack([t.to(self.flat_shard) for t in tensors])
-            self.flat_shard.copy_(packed[self.rank])
+            row = torch.empty_like(self.flat_shard)  # the tensors may alias the shard (one rank)
+            self.layout.pack_row([t.to(self.flat_shard) for t in tensors], self.rank, row)
+            self.flat_shard.copy_(row)
 
 
 class ReplicatedUnit(Unit):
@@ -370,6 +365,9 @@ class ReplicatedUnit(Unit):
             self.state = UnitState.UNSHARDED
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.num_trainable = len(self.trainable)
+        # no cast either way: the parameters' gradients become views of the reduced bucket
+        # (DDP's gradient_as_bucket_view), so nothing is copied back after the all-reduce
+        self._grads_in_bucket = not self.casts and self.reduce_dtype == storage
         self._reduce: C.Pending | None = None
         self._bucket: torch.Tensor | None = None
 
@@ -397,15 +395,19 @@ class ReplicatedUnit(Unit):
         if self.reduce_issued or self.num_trainable == 0:
             self.reduce_issued = True
             return
-        grads = []
-        for i in self.trainable:
-            c = self.full_params[i]
-            grads.append(c.grad.reshape(-1) if c.grad is not None else torch.zeros(c.numel(), dtype=c.dtype, device=c.device))
-            if self.casts:
+        compute = [self.full_params[i] for i in self.trainable]
+        bucket = _bucket_of([c.grad for c in compute]) if self._grads_in_bucket else None
+        if bucket is None:  # (else the last bucket's views, accumulated in place: reduce them)
+            bucket = torch.cat([
+                c.grad.reshape(-1) if c.grad is not None else c.new_zeros(c.numel()) for c in compute
+            ]).to(self.reduce_dtype)
+            if self._grads_in_bucket:
+                for c, g in zip(compute, bucket.split([c.numel() for c in compute])):
+                    c.grad = g.view_as(c)
+        if self.casts:
+            for c in compute:
                 c.grad = None
-        self._bucket = torch.cat(grads)
-        if self._bucket.dtype != self.reduce_dtype:
-            self._bucket = self._bucket.to(self.reduce_dtype)
+        self._bucket = bucket
         if self.world > 1:
             self._reduce = C.all_reduce(self._bucket, self.group, self.label)
         self.reduce_issued = True
@@ -417,7 +419,13 @@ class ReplicatedUnit(Unit):
             return
         if self._reduce is not None:
             self._reduce.wait()
-        self._bucket.div_(self.world)
+        if self.world > 1:
+            self._bucket.div_(self.world)
+        if self._grads_in_bucket:  # the gradients are views of the bucket already
+            self._reduce = self._bucket = None
+            if events.listeners:
+                events.emit("reduce_done", self.label)
+            return
         params = [self.params[i] for i in self.trainable]
         pieces = self._bucket.split([p.numel() for p in params])
         for p, b in zip(params, pieces):
@@ -439,3 +447,16 @@ class ReplicatedUnit(Unit):
         with torch.no_grad():
             for p, t in zip(self.params, tensors):
                 p.copy_(t)
+
+
+def _bucket_of(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The flat tensor whose consecutive slices ``grads`` are, in order and whole, if any."""
+    base = grads[0]._base if grads and grads[0] is not None else None
+    if base is None or base.dim() != 1 or base.numel() != sum(g.numel() for g in grads if g is not None):
+        return None
+    offset = base.storage_offset()
+    for g in grads:
+        if g is None or g._base is not base or g.storage_offset() != offset or not g.is_contiguous():
+            return None
+        offset += g.numel()
+    return base

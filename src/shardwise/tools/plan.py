@@ -435,7 +435,7 @@ class _Sizes:
     send: int  # the shard copied to the device / compute dtype before its gather
     shard: int
     packed: int  # the unsharded gradients laid out for the reduction
-    cast: int  # the same in the reduction dtype, when it differs
+    cast: int  # no_shard: the bucket again in the reduction dtype, when it differs
     reduced: int  # the reduction's output: this rank's gradient shard (whole, for no_shard)
     grad_master: int  # the gradient shard in the master dtype, where it is a separate copy
     alias: bool = False  # one rank, no cast: the shard is the full buffer, nothing is reduced
@@ -464,8 +464,8 @@ def _sizes(
             temp=lay.unsharded_numel * bc if world > 1 else 0,
             send=0 if direct else lay.shard_numel * bc,
             shard=lay.shard_numel * bm,
-            packed=glay.unsharded_numel * bc,
-            cast=glay.unsharded_numel * br if cast else 0,
+            packed=glay.unsharded_numel * br,  # packed straight into the reduction dtype
+            cast=0,
             reduced=glay.shard_numel * br,
             grad_master=glay.shard_numel * bm if (offload or reduce != master) else 0,
         )
@@ -552,17 +552,19 @@ def _simulate(
             return
         bucket = s.cast or s.packed
         if sharded:
-            # pack, cast (the packed copy goes), allocate the output, then the unsharded
-            # gradients go; the output shard stays and the input stays until the collective
-            # completes (with one rank, input is output)
+            # the rows and the output are allocated, the gradients packed into them in the
+            # reduction dtype, then the unsharded gradients go; the output shard stays and the
+            # rows until the collective completes (with one rank, the one row is the output)
             out = s.reduced if world > 1 else 0
-            consider(now() + max(s.packed + s.cast, bucket + out))
+            consider(now() + s.packed + out)
             m["grads"] += s.reduced - unreduced[i]
             inflight[i] = bucket if world > 1 else 0
         else:
-            # one bucket, kept to the end; the parameters' own gradients stay, compute copies' go
+            # one bucket; the compute copies' gradients go, and so do the parameters' own where
+            # the bucket's views replace them (no cast either way)
             consider(now() + s.packed + s.cast)
-            m["grads"] += bucket - (unreduced[i] if s.gathered else 0)
+            views = not s.gathered and not s.cast
+            m["grads"] += bucket - (unreduced[i] if s.gathered or views else 0)
         unreduced[i] = 0
 
     def finish() -> None:
@@ -576,7 +578,7 @@ def _simulate(
                 m["grads"] -= s.reduced
             elif sharded and s.grad_master:  # cast into a copy in the master dtype
                 m["grads"] += s.grad_master - s.reduced
-            elif not sharded and not s.gathered:  # added into the parameters' own gradients
+            elif not sharded and not s.gathered and s.cast:  # copied into the parameters' own
                 m["grads"] -= s.cast or s.packed
             elif not sharded and s.grad_master:
                 m["grads"] += s.grad_master - (s.cast or s.packed)
@@ -682,11 +684,7 @@ def _comm(
         else:
             out["all_gather"] += gathers * (s.gathered * (world - 1) // world)
             if any(p.requires_grad for p in plan.params):
-                out["reduce_scatter"] += (
-                    (s.packed // precision.compute_dtype(master).itemsize * br)
-                    * (world - 1)
-                    // world
-                )
+                out["reduce_scatter"] += s.packed * (world - 1) // world
     return out
 
 

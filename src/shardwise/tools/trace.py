@@ -211,7 +211,9 @@ class _Known:
         for u in self.units:
             if isinstance(u, ShardedUnit):
                 _add(out, "gathered", u.flat_full)  # the shard itself where a unit aliases it
-                _add(out, "gathered", u._gathered)
+                for row in u._gather.result if u._gather is not None else ():
+                    if row.untyped_storage().data_ptr() != u.flat_shard.untyped_storage().data_ptr():
+                        _add(out, "gathered", row)  # the receive rows, not this rank's shard
                 _add(out, "gathered", u._send)
                 _add(out, "gradients", u._reduce_out)
                 for g in getattr(u, "_local_grads", None) or ():  # one rank: no reduction
