@@ -365,9 +365,16 @@ class ReplicatedUnit(Unit):
             self.state = UnitState.UNSHARDED
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.num_trainable = len(self.trainable)
-        # no cast either way: the parameters' gradients become views of the reduced bucket
-        # (DDP's gradient_as_bucket_view), so nothing is copied back after the all-reduce
-        self._grads_in_bucket = not self.casts and self.reduce_dtype == storage
+        # no cast either way: one bucket for the unit's life, like DDP's, and the parameters'
+        # gradients become its views (DDP's gradient_as_bucket_view): no fresh bucket memory
+        # each step, nothing copied back after the all-reduce, kept gradients reduced in place
+        self._flat_grad: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
+        if not self.casts and self.reduce_dtype == storage and self.num_trainable:
+            trained = [params[i] for i in self.trainable]
+            self._flat_grad = torch.empty(sum(p.numel() for p in trained), dtype=storage, device=trained[0].device)
+            sizes = [p.numel() for p in trained]
+            self._grad_views = [g.view_as(p) for g, p in zip(self._flat_grad.split(sizes), trained)]
         self._reduce: C.Pending | None = None
         self._bucket: torch.Tensor | None = None
 
@@ -396,18 +403,21 @@ class ReplicatedUnit(Unit):
             self.reduce_issued = True
             return
         compute = [self.full_params[i] for i in self.trainable]
-        bucket = _bucket_of([c.grad for c in compute]) if self._grads_in_bucket else None
-        if bucket is None:  # (else the last bucket's views, accumulated in place: reduce them)
-            bucket = torch.cat([
+        if self._flat_grad is not None:
+            for c, view in zip(compute, self._grad_views):
+                if c.grad is None:
+                    view.zero_()
+                elif c.grad is not view:  # (else a kept gradient, accumulated in place)
+                    view.copy_(c.grad)
+                c.grad = view
+            self._bucket = self._flat_grad
+        else:
+            self._bucket = torch.cat([
                 c.grad.reshape(-1) if c.grad is not None else c.new_zeros(c.numel()) for c in compute
             ]).to(self.reduce_dtype)
-            if self._grads_in_bucket:
-                for c, g in zip(compute, bucket.split([c.numel() for c in compute])):
-                    c.grad = g.view_as(c)
-        if self.casts:
-            for c in compute:
-                c.grad = None
-        self._bucket = bucket
+            if self.casts:
+                for c in compute:
+                    c.grad = None
         if self.world > 1:
             self._reduce = C.all_reduce(self._bucket, self.group, self.label)
         self.reduce_issued = True
@@ -421,7 +431,7 @@ class ReplicatedUnit(Unit):
             self._reduce.wait()
         if self.world > 1:
             self._bucket.div_(self.world)
-        if self._grads_in_bucket:  # the gradients are views of the bucket already
+        if self._flat_grad is not None:  # the gradients are views of the bucket already
             self._reduce = self._bucket = None
             if events.listeners:
                 events.emit("reduce_done", self.label)
@@ -448,15 +458,3 @@ class ReplicatedUnit(Unit):
             for p, t in zip(self.params, tensors):
                 p.copy_(t)
 
-
-def _bucket_of(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """The flat tensor whose consecutive slices ``grads`` are, in order and whole, if any."""
-    base = grads[0]._base if grads and grads[0] is not None else None
-    if base is None or base.dim() != 1 or base.numel() != sum(g.numel() for g in grads if g is not None):
-        return None
-    offset = base.storage_offset()
-    for g in grads:
-        if g is None or g._base is not base or g.storage_offset() != offset or not g.is_contiguous():
-            return None
-        offset += g.numel()
-    return base

@@ -502,6 +502,9 @@ def _simulate(
     gathers = [0] * n
     # no_shard keeps whole parameters (counted as persistent) and, if cast, compute copies
     m = {"gathered": 0 if sharded else sum(s.gathered for s in size), "grads": 0}
+    # no_shard without casts keeps one gradient bucket per unit for good (as DDP does)
+    kept_bucket = [not sharded and not s.gathered and not s.cast for s in size]
+    m["grads"] = sum(s.packed for s, kept in zip(size, kept_bucket) if kept)
     nxt_f, nxt_b = _successors(run.forward_order), _successors(run.backward_order)
     last_forward = next((i for i in reversed(run.forward_order) if i != root), None)
 
@@ -560,11 +563,12 @@ def _simulate(
             m["grads"] += s.reduced - unreduced[i]
             inflight[i] = bucket if world > 1 else 0
         else:
-            # one bucket; the compute copies' gradients go, and so do the parameters' own where
-            # the bucket's views replace them (no cast either way)
-            consider(now() + s.packed + s.cast)
-            views = not s.gathered and not s.cast
-            m["grads"] += bucket - (unreduced[i] if s.gathered or views else 0)
+            if kept_bucket[i]:  # copied into the bucket, whose views replace them
+                consider(now())
+                m["grads"] -= unreduced[i]
+            else:  # a bucket to the end; the compute copies' gradients go
+                consider(now() + s.packed + s.cast)
+                m["grads"] += bucket - (unreduced[i] if s.gathered else 0)
         unreduced[i] = 0
 
     def finish() -> None:
