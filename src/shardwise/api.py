@@ -57,7 +57,9 @@ def shard(
 
     strategy: "full_shard" frees full parameters after each unit's forward and gathers them
     again for backward; "shard_grad_op" keeps them from forward to backward; "no_shard" keeps
-    whole parameters on every rank and all-reduces gradients (DDP). ``max_unsharded`` bounds
+    whole parameters on every rank and all-reduces gradients (DDP; without mixed precision the
+    gradients are views of a bucket the next step reduces into, as with DDP's
+    ``gradient_as_bucket_view``: clone one to keep it). ``max_unsharded`` bounds
     how many units (besides the root) full_shard keeps gathered at once, prefetch included.
 
     mixed_precision: "bf16" / "fp16" (16-bit gather and compute, fp32 gradient reduction) or a
