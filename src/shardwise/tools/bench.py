@@ -339,14 +339,9 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
             visit["busy"].append(_machine_busy_s() - busy0)
     visit["wait_s"] = sum(s.wait_seconds for s in comm_stats(reset=True).values())
     visit["peak_cuda"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    _free(model)
+    del model, opt, autocast, loss
+    gc.collect()  # the system's reference cycles too: the next visit starts clean
     return visit
-
-
-def _free(model: nn.Module) -> None:
-    """Drop a system so that the next visit starts clean."""
-    del model
-    gc.collect()
 
 
 def _others_load(visit: dict) -> float:
@@ -471,7 +466,8 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     }
     if device.type == "cpu":
         res["peak_tracker"] = _tracked_peak(model, opt, autocast, work, x, y)
-    _free(model)
+    del model, opt, autocast
+    gc.collect()
     return res
 
 
