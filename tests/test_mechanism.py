@@ -138,6 +138,38 @@ def test_no_sync_accumulation_equals_big_batch(pools, strategy):
     assert diff <= 1e-5
 
 
+# --- a unit's reduce-scatter is finished when the next one is issued: two in flight at most
+def reductions_in_flight(strategy):
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    n = dist.get_world_size()
+    x, y = batch("tied", 0, 2 * n)
+    pending, most, order = set(), 0, []
+
+    def on(name, unit, **_):
+        nonlocal most
+        if name == "reduce_issue":
+            pending.add(unit)
+            order.append(unit)
+            most = max(most, len(pending))
+        elif name == "reduce_done":
+            pending.discard(unit)
+
+    shardwise.events.listen(on)
+    try:
+        loss_of(model, local_slice(x), local_slice(y)).backward()
+    finally:
+        shardwise.events.unlisten(on)
+    return most, len(order), pending
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_at_most_two_reductions_in_flight(pools, strategy):
+    most, issued, left = pools(2).run(reductions_in_flight, strategy)[0]
+    assert issued >= 3  # the root and two blocks at least: the bound is a real constraint
+    assert most == 2
+    assert not left  # the end of backward finishes the rest
+
+
 # --- gradients kept between steps (zero_grad(set_to_none=False)) accumulate and reduce right
 def kept_gradients(strategy, steps=3, k=2):
     ref = make("tied")

@@ -4,12 +4,12 @@ end-of-backward callback. One ``Runtime`` per sharded model.
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
 the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
 except the unit that ran last, which backward needs first) and registers the pre-backward hook
-on the unit's outputs. Backward: the pre-backward hook
-gathers again and prefetches in backward order; a post-accumulate-grad hook on each full
-parameter counts finished gradients, and the unit's reduce-scatter is issued as soon as all
-are in, while earlier layers still compute; an identity autograd function on the unit's inputs
-marks the end of its backward, where it reshards. The final callback finishes what is left,
-waits for every reduce and leaves ``.grad`` on the shards.
+on the unit's outputs. Backward: the pre-backward hook gathers again and prefetches in
+backward order; a post-accumulate-grad hook on each full parameter counts finished gradients,
+and the unit's reduce-scatter is issued as soon as all are in, while earlier layers still
+compute, and finished when the next unit's is issued; an identity autograd function on the
+unit's inputs marks the end of its backward, where it reshards. The final callback finishes
+what is left, waits for every reduce and leaves ``.grad`` on the shards.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class Runtime:
         # the last unit of the previous forward runs first in backward: full_shard keeps it
         # gathered rather than reshard it and gather it again at once
         self.last_forward: Unit | None = None
+        self.reducing: Unit | None = None  # the sharded unit whose reduction was issued last
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
         for unit in units:
@@ -222,16 +223,26 @@ class Runtime:
                 rt.callback_queued = True
             u.grads_ready += 1
             if rt.sync_grads and u.grads_ready == u.num_trainable:
-                u.reduce_grads()
+                rt.reduce(u)
 
         return hook
+
+    def reduce(self, unit: Unit) -> None:
+        """Issue ``unit``'s gradient reduction. The sharded unit reduced before it is finished
+        now, a whole unit's backward after its issue: its scratch rows go, rather than every
+        unit's staying to the end of backward (the peak of a model with few activations)."""
+        unit.reduce_grads()
+        if isinstance(unit, ShardedUnit):
+            if self.reducing is not None and self.reducing is not unit:
+                self.reducing.finish_reduce()
+            self.reducing = unit
 
     def post_backward(self, unit: Unit) -> None:
         """The unit's backward is complete: its full parameters are no longer needed."""
         if events.listeners:
             events.emit("backward", unit.label, edge="end")
         if self.sync_grads and not unit.reduce_issued and unit.grads_ready == unit.num_trainable:
-            unit.reduce_grads()
+            self.reduce(unit)
         if not unit.is_root:
             unit.reshard()
 
@@ -240,9 +251,10 @@ class Runtime:
         if self.sync_grads:
             for u in self.units:  # parameters that got no gradient this step reduce as zeros
                 if not u.reduce_issued and (u in ran or u.grads_ready):
-                    u.reduce_grads()
+                    self.reduce(u)
             for u in self.units:
                 u.finish_reduce()
+        self.reducing = None
         for u in self.units:
             u.grads_ready = 0
             u.reduce_issued = False

@@ -17,9 +17,10 @@ How it predicts, for one configuration:
 3. That timeline is replayed through the runtime's rules (gather on first use, prefetch of
    the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
    unit that ran last) or after backward, one reduce per unit once its gradients are
-   complete, every reduction finished at the end of backward), adding at each moment the gathered buffers (and the gather's
-   temporary copy while in flight), the unsharded gradients of units not yet reduced and the
-   reduction buffers, on top of the shards and the optimizer state.
+   complete, each reduction finished when the next is issued, the last at the end of
+   backward), adding at each moment the gathered buffers (and the gather's receive buffer
+   while in flight), the unsharded gradients of units not yet reduced and the reduction
+   buffers, on top of the shards and the optimizer state.
 4. The optimizer named (AdamW by default) steps twice on meta shards of rank 0's shapes: its
    state is what the first step creates, its temporaries the peak of the second.
 The predicted peak is the highest total of step 3 or of the optimizer step (gradients held,
@@ -498,7 +499,8 @@ def _simulate(
     state = ["S"] * n if sharded else ["U"] * n  # S sharded, G gathering, U unsharded
     reduced = [False] * n
     unreduced = [0] * n  # bytes of a unit's unsharded gradients before its reduction
-    inflight = [0] * n  # a reduction's laid-out input, held until the collective completes
+    inflight = [0] * n  # a reduction's laid-out input, held until the next one is issued
+    reducing: list[int | None] = [None]  # the unit reduced last
     gathers = [0] * n
     # no_shard keeps whole parameters (counted as persistent) and, if cast, compute copies
     m = {"gathered": 0 if sharded else sum(s.gathered for s in size), "grads": 0}
@@ -562,6 +564,9 @@ def _simulate(
             consider(now() + s.packed + out)
             m["grads"] += s.reduced - unreduced[i]
             inflight[i] = bucket if world > 1 else 0
+            if reducing[0] is not None:  # the previous reduction is finished now
+                inflight[reducing[0]] = 0
+            reducing[0] = i
         else:
             if kept_bucket[i]:  # copied into the bucket, whose views replace them
                 consider(now())
@@ -632,7 +637,6 @@ def _simulate(
             elif kind == "bwd_end":
                 reduce(i)
                 consider(now())
-                inflight[i] = 0  # the collective has completed by the unit's next step
                 if sharded and i != root:
                     reshard(i)
             elif kind == "end":
