@@ -60,18 +60,40 @@ def _replace_tensors(obj, it):
     return obj
 
 
+# Note [weak references from C++]: what autograd holds from C++ (hooks on parameters and
+# graph nodes, a custom function's ctx) is invisible to Python's collector. A strong reference
+# from there to the runtime or a unit, which both lead back to the parameters, would keep the
+# whole model alive forever whenever the holder outlives the step: a parameter always does,
+# and graph nodes do when a tool's hook holds its own nodes (torch's
+# register_multi_grad_hook(mode="all"), used by MemTracker's ModTracker, makes such a cycle).
+# So all of them reach the runtime and the unit through weak references.
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's own backward is done."""
 
     @staticmethod
-    def forward(ctx, runtime: Runtime, unit: Unit, *inputs: torch.Tensor):
-        ctx.runtime, ctx.unit = runtime, unit
+    def forward(ctx, runtime_ref: weakref.ref, unit_ref: weakref.ref, *inputs: torch.Tensor):
+        ctx.runtime_ref, ctx.unit_ref = runtime_ref, unit_ref  # Note [weak references from C++]
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime.post_backward(ctx.unit)
+        runtime, unit = ctx.runtime_ref(), ctx.unit_ref()
+        if runtime is not None and unit is not None:
+            runtime.post_backward(unit)
         return (None, None, *grads)
+
+
+def _pre_backward_hook(runtime_ref: weakref.ref, unit_ref: weakref.ref):
+    """The hook on a unit's outputs that starts its backward (Note [weak references from C++])."""
+
+    def hook(_grad) -> None:
+        runtime, unit = runtime_ref(), unit_ref()
+        if runtime is not None and unit is not None:
+            runtime._pre_backward(unit)
+
+    return hook
 
 
 class Runtime:
@@ -137,7 +159,7 @@ class Runtime:
             if torch.is_grad_enabled():
                 flat = _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
-                    marked = iter(_PostBackward.apply(self, unit, *flat))
+                    marked = iter(_PostBackward.apply(weakref.ref(self), weakref.ref(unit), *flat))
                     return _replace_tensors((args, kwargs), marked)
             return args, kwargs
 
@@ -155,7 +177,8 @@ class Runtime:
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
                 if outs:
-                    register_multi_grad_hook(outs, lambda _g: self._pre_backward(unit), mode="any")
+                    hook = _pre_backward_hook(weakref.ref(self), weakref.ref(unit))
+                    register_multi_grad_hook(outs, hook, mode="any")
             if unit.is_root:
                 self.next_forward = _successors(self.forward_order)
                 self.last_forward = next((u for u in reversed(self.forward_order) if not u.is_root), None)
@@ -211,10 +234,7 @@ class Runtime:
         self._note_unsharded()
 
     def _make_grad_ready(self, unit: Unit):
-        # The parameter holds this hook from C++, where Python's collector cannot see it: a
-        # closure over the runtime or the unit (which both lead back to the parameter) would
-        # keep the whole model alive forever. Weak references break that cycle.
-        runtime_ref, unit_ref = weakref.ref(self), weakref.ref(unit)
+        runtime_ref, unit_ref = weakref.ref(self), weakref.ref(unit)  # Note [weak references from C++]
 
         def hook(param):
             rt, u = runtime_ref(), unit_ref()
