@@ -139,7 +139,7 @@ def test_no_sync_accumulation_equals_big_batch(pools, strategy):
     assert diff <= 1e-5
 
 
-# --- a unit's reduce-scatter is finished when the next one is issued: two in flight at most
+# --- a unit's reduce-scatter is finished before the next one is issued: one in flight
 def reductions_in_flight(strategy):
     model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
     n = dist.get_world_size()
@@ -164,10 +164,10 @@ def reductions_in_flight(strategy):
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
-def test_at_most_two_reductions_in_flight(pools, strategy):
+def test_one_reduction_in_flight(pools, strategy):
     most, issued, left = pools(2).run(reductions_in_flight, strategy)[0]
     assert issued >= 3  # the root and two blocks at least: the bound is a real constraint
-    assert most == 2
+    assert most == 1
     assert not left  # the end of backward finishes the rest
 
 

@@ -7,7 +7,7 @@ except the unit that ran last, which backward needs first) and registers the pre
 on the unit's outputs. Backward: the pre-backward hook gathers again and prefetches in
 backward order; a post-accumulate-grad hook on each full parameter counts finished gradients,
 and the unit's reduce-scatter is issued as soon as all are in, while earlier layers still
-compute, and finished when the next unit's is issued; an identity autograd function on the
+compute, and finished before the next unit's is issued; an identity autograd function on the
 unit's inputs marks the end of its backward, where it reshards. The final callback finishes
 what is left, waits for every reduce and leaves ``.grad`` on the shards.
 """
@@ -249,13 +249,13 @@ class Runtime:
 
     def reduce(self, unit: Unit) -> None:
         """Issue ``unit``'s gradient reduction. The sharded unit reduced before it is finished
-        now, a whole unit's backward after its issue: its scratch rows go, rather than every
-        unit's staying to the end of backward (the peak of a model with few activations)."""
-        unit.reduce_grads()
+        first, a whole unit's backward after its issue: its scratch rows go before this one's
+        are allocated, rather than every unit's staying to the end of backward."""
         if isinstance(unit, ShardedUnit):
             if self.reducing is not None and self.reducing is not unit:
                 self.reducing.finish_reduce()
             self.reducing = unit
+        unit.reduce_grads()
 
     def post_backward(self, unit: Unit) -> None:
         """The unit's backward is complete: its full parameters are no longer needed."""

@@ -17,7 +17,7 @@ How it predicts, for one configuration:
 3. That timeline is replayed through the runtime's rules (gather on first use, prefetch of
    the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
    unit that ran last) or after backward, one reduce per unit once its gradients are
-   complete, each reduction finished when the next is issued, the last at the end of
+   complete, each reduction finished before the next is issued, the last at the end of
    backward), adding at each moment the gathered buffers (and the gather's receive buffer
    while in flight), the unsharded gradients of units not yet reduced and the reduction
    buffers, on top of the shards and the optimizer state.
@@ -560,13 +560,13 @@ def _simulate(
             # the rows and the output are allocated, the gradients packed into them in the
             # reduction dtype, then the unsharded gradients go; the output shard stays and the
             # rows until the collective completes (with one rank, the one row is the output)
+            if reducing[0] is not None:  # the previous reduction is finished first
+                inflight[reducing[0]] = 0
+            reducing[0] = i
             out = s.reduced if world > 1 else 0
             consider(now() + s.packed + out)
             m["grads"] += s.reduced - unreduced[i]
             inflight[i] = bucket if world > 1 else 0
-            if reducing[0] is not None:  # the previous reduction is finished now
-                inflight[reducing[0]] = 0
-            reducing[0] = i
         else:
             if kept_bucket[i]:  # copied into the bucket, whose views replace them
                 consider(now())
