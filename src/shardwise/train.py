@@ -26,7 +26,7 @@ from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .scaler import GradScaler
 from .tools import report
-from .tools.accounting import dtype_table, held_bytes, theory_bytes_per_step
+from .tools.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
 from .tools.trace import trace
 from .wrap import by_class, by_size
 
@@ -255,13 +255,15 @@ def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, world: int)
 
 def _memory_tracker(model, opt):
     """torch's MemTracker for one step: peak memory by category (parameters, gradients,
-    activations, optimizer state, temporaries) on every device."""
+    activations, optimizer state, temporaries) on every device. no_shard's kept gradient
+    buckets are handed to it too (it files them under Other; the report counts them as
+    gradients)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # it warns about optimizer state entries that are None
-        tracker.track_external(model, opt)
+        tracker.track_external(model, opt, *kept_buckets(model))
     return tracker
 
 
@@ -323,7 +325,7 @@ def render_summary(s: dict) -> str:
             if dev == "meta" or not c.get("Total"):  # placeholders of sharded units hold nothing
                 continue
             lines.append(
-                f"  rank {r['rank']} {dev:<50}{_mib(c.get('Parameter', 0))} {_mib(c.get('Gradient', 0))}"
+                f"  rank {r['rank']} {dev:<50}{_mib(c.get('Parameter', 0))} {_mib(c.get('Gradient', 0) + c.get('Other', 0))}"
                 f"     {_mib(c.get('Activation', 0))}   {_mib(c.get('Optstate', 0))} {_mib(c.get('Temp', 0))} {_mib(c['Total'])}"
             )
     cfg = s["config"]

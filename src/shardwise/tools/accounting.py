@@ -56,6 +56,14 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     }
 
 
+def kept_buckets(model: nn.Module) -> list[torch.Tensor]:
+    """The flat gradient buckets no_shard units keep from step to step (their gradients are
+    views of them). A memory tool that follows parameters, gradients and optimizer state does
+    not see them while the gradients are None between steps: hand them to it as well."""
+    kept = [u._flat_grad for u in units(model) if isinstance(u, ReplicatedUnit)]
+    return [b for b in kept if b is not None]
+
+
 def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
     """Bytes per rank per step that the strategy moves in theory, for psi parameters on N ranks
     with b bytes per element sent: full shard 3 psi b (N-1)/N (two gathers, one

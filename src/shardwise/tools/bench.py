@@ -451,11 +451,14 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     from ..collectives import comm_stats, reset_comm_stats
 
     model, opt, autocast = build_system(name, cfg, work, device, mesh)
+    ddp = _ddp_buckets(model) if device.type == "cpu" else None
     for x, y in work.batches[: cfg.warmup]:
         train_step(model, opt, autocast, work, x, y)
     x, y = work.batches[-1]
     reset_comm_stats()
     counter = CommCounter(dist.get_world_size())
+    if ddp is not None:
+        ddp.clear()  # the buckets as this step uses them (DDP rebuilds them after its first)
     with counter:
         train_step(model, opt, autocast, work, x, y)
     own = {k: v.bytes for k, v in comm_stats(reset=True).items() if v.bytes}
@@ -465,18 +468,51 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
         "unknown_collectives": sorted(counter.unknown),
     }
     if device.type == "cpu":
-        res["peak_tracker"] = _tracked_peak(model, opt, autocast, work, x, y)
-    del model, opt, autocast
+        res["peak_tracker"] = _tracked_peak(
+            model, opt, _kept_buckets(model, ddp), autocast, work, x, y
+        )
+    del model, opt, autocast, ddp
     gc.collect()
     return res
 
 
-def _tracked_peak(model, opt, autocast, work: Workload, x, y) -> dict:
+def _ddp_buckets(model: nn.Module) -> dict[int, torch.Tensor] | None:
+    """DDP's gradient buckets, filled in as its backward hands them to a comm hook that keeps
+    them and all-reduces as DDP's own does (None for the other systems)."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buckets: dict[int, torch.Tensor] = {}
+
+    def keep_and_allreduce(group, bucket):
+        buckets[bucket.index()] = bucket.buffer()
+        return allreduce_hook(group, bucket)
+
+    model.register_comm_hook(None, keep_and_allreduce)
+    return buckets
+
+
+def _kept_buckets(model: nn.Module, ddp: dict[int, torch.Tensor] | None) -> list[torch.Tensor]:
+    """The gradient buckets a system keeps from step to step besides its parameters, gradients
+    and optimizer state: DDP's and shardwise no_shard's. MemTracker counts a tensor made before
+    it starts only once an op writes it, so without them a peak before that write (say at the
+    end of forward) would leave the buckets out."""
+    if ddp is not None:
+        return list(ddp.values())
+    if not hasattr(model, "_shardwise"):  # the floor and FSDP2 keep none
+        return []
+    from .accounting import kept_buckets
+
+    return kept_buckets(model)
+
+
+def _tracked_peak(model, opt, kept: list[torch.Tensor], autocast, work: Workload, x, y) -> dict:
     """Peak bytes of one step under torch's MemTracker, and its breakdown at the peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(model, opt)
+    tracker.track_external(model, opt, *kept)
     with tracker, warnings.catch_warnings():
         # its post-accumulate-grad hook finds .grad already moved on by shardwise's reduce;
         # the gradient itself was tracked by its tensor hook, which ran first

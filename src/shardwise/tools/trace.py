@@ -230,6 +230,7 @@ class _Known:
                     for p in u.params:
                         _add(out, "gradients", p.grad)
                 _add(out, "gradients", u._bucket)
+                _add(out, "gradients", u._flat_grad)  # no_shard's kept bucket, where it has one
         for key in self.cached_ids.intersection(out):
             del out[key]
         return out
