@@ -171,6 +171,48 @@ def test_one_reduction_in_flight(pools, strategy):
     assert not left  # the end of backward finishes the rest
 
 
+# --- a unit whose parameters all train frees its full parameters at its reduction's issue,
+# before its rows are allocated; one with a frozen parameter waits for the end of its backward
+def reshard_and_reduce_order(strategy):
+    ref = make("mlp")
+    ref.layers[2].lin.weight.requires_grad_(False)  # layers.2: a frozen and a trained parameter
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "mlp"), strategy=strategy)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    x, y = batch("mlp", 0, 2 * dist.get_world_size())
+    loss = loss_of(model, local_slice(x), local_slice(y))
+    order = []
+
+    def on(name, unit, **_):
+        if name in ("reshard", "reduce_issue"):
+            order.append((name, unit))
+
+    shardwise.events.listen(on)
+    try:
+        loss.backward()
+    finally:
+        shardwise.events.unlisten(on)
+    opt.step()
+    loss_of(ref, x, y).backward()
+    ref_opt.step()
+    full = shardwise.full_state_dict(model)  # on rank 0
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if full else 0.0
+    return order, diff
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_unit_reshards_before_its_reduction_when_all_its_parameters_train(pools, strategy):
+    order, diff = pools(2).run(reshard_and_reduce_order, strategy)[0]
+    first = {}
+    for i, (name, unit) in enumerate(order):
+        first.setdefault((name, unit), i)
+    for unit in ("layers.0", "layers.3"):
+        assert first["reshard", unit] < first["reduce_issue", unit], order
+    assert first["reduce_issue", "layers.2"] < first["reshard", "layers.2"], order
+    assert ("reduce_issue", "layers.1") not in first  # frozen whole: nothing to reduce
+    assert diff <= 1e-6  # one step agrees with the unsharded model
+
+
 # --- gradients kept between steps (zero_grad(set_to_none=False)) accumulate and reduce right
 def kept_gradients(strategy, steps=3, k=2):
     ref = make("tied")

@@ -8,7 +8,9 @@ on the unit's outputs. Backward: the pre-backward hook gathers again and prefetc
 backward order; a post-accumulate-grad hook on each full parameter counts finished gradients,
 and the unit's reduce-scatter is issued as soon as all are in, while earlier layers still
 compute, and finished before the next unit's is issued; an identity autograd function on the
-unit's inputs marks the end of its backward, where it reshards. The final callback finishes
+unit's inputs marks the end of its backward, where it reshards (at the issue already, before
+its gradient rows are allocated, when all its parameters train: then nothing left in
+backward reads them). The final callback finishes
 what is left, waits for every reduce and leaves ``.grad`` on the shards.
 """
 
@@ -243,18 +245,23 @@ class Runtime:
                 rt.callback_queued = True
             u.grads_ready += 1
             if rt.sync_grads and u.grads_ready == u.num_trainable:
-                rt.reduce(u)
+                # every parameter trained: every node that reads them has run
+                rt.reduce(u, backward_done=u.num_trainable == len(u.full_params))
 
         return hook
 
-    def reduce(self, unit: Unit) -> None:
+    def reduce(self, unit: Unit, *, backward_done: bool = False) -> None:
         """Issue ``unit``'s gradient reduction. The sharded unit reduced before it is finished
         first, a whole unit's backward after its issue: its scratch rows go before this one's
-        are allocated, rather than every unit's staying to the end of backward."""
+        are allocated, rather than every unit's staying to the end of backward. Once nothing
+        in backward reads the unit's full parameters any more (``backward_done``), they are
+        freed before its rows are allocated, not after."""
         if isinstance(unit, ShardedUnit):
             if self.reducing is not None and self.reducing is not unit:
                 self.reducing.finish_reduce()
             self.reducing = unit
+            if backward_done and not unit.is_root:
+                unit.reshard()
         unit.reduce_grads()
 
     def post_backward(self, unit: Unit) -> None:
@@ -262,7 +269,7 @@ class Runtime:
         if events.listeners:
             events.emit("backward", unit.label, edge="end")
         if self.sync_grads and not unit.reduce_issued and unit.grads_ready == unit.num_trainable:
-            self.reduce(unit)
+            self.reduce(unit, backward_done=True)
         if not unit.is_root:
             unit.reshard()
 
@@ -271,7 +278,7 @@ class Runtime:
         if self.sync_grads:
             for u in self.units:  # parameters that got no gradient this step reduce as zeros
                 if not u.reduce_issued and (u in ran or u.grads_ready):
-                    self.reduce(u)
+                    self.reduce(u, backward_done=True)
             for u in self.units:
                 u.finish_reduce()
         self.reducing = None

@@ -17,8 +17,8 @@ How it predicts, for one configuration:
 3. That timeline is replayed through the runtime's rules (gather on first use, prefetch of
    the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
    unit that ran last) or after backward, one reduce per unit once its gradients are
-   complete, each reduction finished before the next is issued, the last at the end of
-   backward), adding at each moment the gathered buffers (and the gather's receive buffer
+   complete (resharding first if all its parameters train), each reduction finished before
+   the next is issued, the last at the end of backward), adding at each moment the gathered buffers (and the gather's receive buffer
    while in flight), the unsharded gradients of units not yet reduced and the reduction
    buffers, on top of the shards and the optimizer state.
 4. The optimizer named (AdamW by default) steps twice on meta shards of rank 0's shapes: its
@@ -509,6 +509,7 @@ def _simulate(
     m["grads"] = sum(s.packed for s, kept in zip(size, kept_bucket) if kept)
     nxt_f, nxt_b = _successors(run.forward_order), _successors(run.backward_order)
     last_forward = next((i for i in reversed(run.forward_order) if i != root), None)
+    all_train = [all(p.requires_grad for p in plan.params) for plan in plans]
 
     def unshard(i: int) -> None:
         """Issue: the gather's buffers; the full buffer too with one rank (there is no copy-out)."""
@@ -546,11 +547,14 @@ def _simulate(
             return
         unshard(i)
 
-    def reduce(i: int) -> None:
-        """Issue unit i's reduction, noting the moment its buffers are laid out."""
+    def reduce(i: int, done: bool) -> None:
+        """Issue unit i's reduction, noting the moment its buffers are laid out; a unit whose
+        backward is ``done`` reshards first."""
         if reduced[i]:
             return
         reduced[i] = True
+        if sharded and done and i != root:
+            reshard(i)
         s = size[i]
         if s.alias:  # the unsharded gradients become the shard's
             unreduced[i] = 0
@@ -633,9 +637,9 @@ def _simulate(
                 unreduced[i] += nbytes
                 m["grads"] += nbytes
             elif kind == "grads_ready":
-                reduce(i)
+                reduce(i, all_train[i])
             elif kind == "bwd_end":
-                reduce(i)
+                reduce(i, True)
                 consider(now())
                 if sharded and i != root:
                     reshard(i)
@@ -644,7 +648,7 @@ def _simulate(
                 ran = set(run.forward_order)
                 for j in range(n):
                     if j in ran or unreduced[j]:
-                        reduce(j)
+                        reduce(j, True)
                 consider(now())
                 finish()
                 if sharded:
