@@ -10,8 +10,8 @@ and the unit's reduce-scatter is issued as soon as all are in, while earlier lay
 compute, and finished before the next unit's is issued; an identity autograd function on the
 unit's inputs marks the end of its backward, where it reshards (at the issue already, before
 its gradient rows are allocated, when all its parameters train: then nothing left in
-backward reads them). The final callback finishes
-what is left, waits for every reduce and leaves ``.grad`` on the shards.
+backward reads them). The final callback finishes what is left, waits for every reduce and
+leaves ``.grad`` on the shards.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class Runtime:
                 rt.callback_queued = True
             u.grads_ready += 1
             if rt.sync_grads and u.grads_ready == u.num_trainable:
-                # every parameter trained: every node that reads them has run
+                # with every parameter trained, every node that reads them has run
                 rt.reduce(u, backward_done=u.num_trainable == len(u.full_params))
 
         return hook

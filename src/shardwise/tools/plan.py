@@ -18,9 +18,10 @@ How it predicts, for one configuration:
    the next unit within ``max_unsharded``, reshard after forward for full_shard (but the
    unit that ran last) or after backward, one reduce per unit once its gradients are
    complete (resharding first if all its parameters train), each reduction finished before
-   the next is issued, the last at the end of backward), adding at each moment the gathered buffers (and the gather's receive buffer
-   while in flight), the unsharded gradients of units not yet reduced and the reduction
-   buffers, on top of the shards and the optimizer state.
+   the next is issued, the last at the end of backward), adding at each moment the gathered
+   buffers (and the gather's receive buffer while in flight), the unsharded gradients of
+   units not yet reduced and the reduction buffers, on top of the shards and the optimizer
+   state.
 4. The optimizer named (AdamW by default) steps twice on meta shards of rank 0's shapes: its
    state is what the first step creates, its temporaries the peak of the second.
 The predicted peak is the highest total of step 3 or of the optimizer step (gradients held,
