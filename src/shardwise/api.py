@@ -152,7 +152,7 @@ def shard(
             )
         for r in plan.registrations:
             _retire(plan.params[r.index], r.fqn)
-    module._shardwise = Runtime(module, units, strategy, max_unsharded, precision)
+    module._shardwise = Runtime(module, units, strategy, max_unsharded, precision, groups.host_group(group))
     _install_optimizer_guard()
     if init_from is not None:
         from .checkpoint import load_full  # checkpoint builds on this module

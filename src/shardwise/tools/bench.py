@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
+from ..collectives import step_check_nbytes
 
 SYSTEMS = (
     "floor",
@@ -152,6 +153,7 @@ class Workload:
     num_params: int
     root_params: int  # parameters outside every block: the root unit's
     last_params: int  # the last block's, which shardwise's full shard keeps gathered into backward
+    trained_tensors: int  # parameters that train: one flag each in shardwise's step check
 
 
 def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
@@ -200,7 +202,8 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     in_blocks = {id(p) for m in probe.modules() if isinstance(m, block) for p in m.parameters()}
     root = sum(p.numel() for p in probe.parameters() if id(p) not in in_blocks)
     last = sum(p.numel() for p in [m for m in probe.modules() if isinstance(m, block)][-1].parameters())
-    return Workload(build, block, batches, loss, tokens, total, root, last)
+    trained = sum(p.requires_grad for p in probe.parameters())
+    return Workload(build, block, batches, loss, tokens, total, root, last, trained)
 
 
 def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh):
@@ -306,6 +309,7 @@ def run_rank(cfg: BenchConfig) -> dict:
         "num_params": work.num_params,
         "root_params": work.root_params,
         "last_params": work.last_params,
+        "trained_tensors": work.trained_tensors,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
         "machine": _machine(device.type),
@@ -422,13 +426,15 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]
-            if name in self.OPS:
+            if name == "send":  # point to point: the message's own bytes
+                self.bytes["send"] = self.bytes.get("send", 0) + sum(_nbytes(t) for t in args[0])
+            elif name in self.OPS:
                 kind, i = self.OPS[name]
                 full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
                 factor = 2 if kind == "all_reduce" else 1
                 moved = factor * full * (self.world - 1) // self.world
                 self.bytes[kind] = self.bytes.get(kind, 0) + moved
-            elif name not in ("barrier", "monitored_barrier_"):
+            elif name not in ("barrier", "monitored_barrier_", "recv_"):
                 self.unknown.add(name)
         return func(*args, **(kwargs or {}))
 
@@ -527,13 +533,14 @@ def _tracked_peak(model, opt, kept: list[torch.Tensor], autocast, work: Workload
 
 # --------------------------------------------------------------------------- summary
 def _theory(
-    system: str, psi: int, root: int, last: int, world: int, b_gather: int, b_reduce: int
+    system: str, psi: int, root: int, last: int, trained: int, world: int, b_gather: int, b_reduce: int
 ) -> int:
     """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
     full shard gathers every unit twice, less the root's backward gather (the root stays
     gathered from forward to backward, in shardwise as in FSDP2) and, in shardwise, the last
     block's (it runs first in backward, so it stays gathered too), and reduce-scatters once;
-    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b)."""
+    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). shardwise
+    adds its step check: one all-reduce of a flag per trained parameter and two numbers."""
     if system == "floor":
         return 0
     if system.endswith("full_shard"):
@@ -543,7 +550,8 @@ def _theory(
         gathered = psi * b_gather + psi * b_reduce
     else:
         gathered = 2 * psi * b_reduce
-    return gathered * (world - 1) // world
+    check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
+    return gathered * (world - 1) // world + check
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -593,6 +601,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
                 results["num_params"],
                 results["root_params"],
                 results["last_params"],
+                results["trained_tensors"],
                 world,
                 b_gather,
                 4,
