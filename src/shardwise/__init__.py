@@ -18,7 +18,17 @@ from .api import (
     unit_states,
     units,
 )
-from .checkpoint import CheckpointError, CheckpointInfo, SaveHandle, convert, latest, load, load_full, save
+from .checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    SaveHandle,
+    convert,
+    latest,
+    load,
+    load_full,
+    save,
+    save_pretrained,
+)
 from .checkpointing import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
@@ -48,6 +58,7 @@ __all__ = [
     "latest",
     "load_full",
     "convert",
+    "save_pretrained",
     "SaveHandle",
     "CheckpointInfo",
     "CheckpointError",

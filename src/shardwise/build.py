@@ -5,6 +5,7 @@ from rank 0's values (eager modules) or by initialising one module at a time (me
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -151,22 +152,32 @@ def materialize(
 ) -> None:
     """Initialise meta parameters one module at a time, in module order.
 
-    Each module's own meta parameters get temporary full storage, the module's
-    ``reset_parameters()`` (or ``init_fn(module)``) fills them, rank 0's values are broadcast
-    and handed to ``on_values`` (which keeps this rank's rows), and the storage is dropped: at
-    most one module is ever whole. A parameter shared with a module initialised earlier is
-    swapped for scratch storage, as eager construction discards a tied module's own weight, so
-    random streams match eager construction with the same seed. Meta buffers are materialised
-    in place. Raises, naming them, if parameters or buffers are left uninitialised.
+    Each module's own meta parameters get temporary full storage, ``init_fn(module)`` fills
+    them (else the module's ``reset_parameters()``, else the root's ``_init_weights(module)``
+    when it is a transformers model: its norms, rotary tables and position buffers), rank 0's
+    values are broadcast and handed to ``on_values`` (which keeps this rank's rows), and the
+    storage is dropped: at most one module is ever whole. A parameter shared with a module
+    initialised earlier is swapped for scratch storage, as eager construction discards a tied
+    module's own weight, so random streams match eager construction with the same seed. Meta
+    buffers are materialised in place. Raises, naming them, if parameters or buffers are left
+    uninitialised.
     """
     done: set[nn.Parameter] = set()
     missing: list[str] = []
+    model_init = getattr(root, "_init_weights", None)  # a transformers model's own initialiser
     for mname, module in root.named_modules():
         own = [(a, p) for a, p in module._parameters.items() if p is not None and p.is_meta]
         bufs = [(a, b) for a, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not bufs:
             continue
-        init = init_fn if init_fn is not None else getattr(module, "reset_parameters", None)
+        if init_fn is not None:
+            init = functools.partial(init_fn, module)
+        elif hasattr(module, "reset_parameters"):
+            init = module.reset_parameters
+        elif model_init is not None:
+            init = functools.partial(model_init, module)
+        else:
+            init = None
         if init is None:
             missing += [f"{mname}.{a}" if mname else a for a, p in own if p not in done]
             missing += [f"{mname}.{a}" if mname else a for a, _ in bufs]
@@ -178,7 +189,7 @@ def materialize(
             module._parameters[a] = t
         try:
             with torch.no_grad():
-                init_fn(module) if init_fn is not None else module.reset_parameters()
+                init()
         finally:
             for a, p in own:
                 module._parameters[a] = p
