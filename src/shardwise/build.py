@@ -153,14 +153,14 @@ def materialize(
     """Initialise meta parameters one module at a time, in module order.
 
     Each module's own meta parameters get temporary full storage, ``init_fn(module)`` fills
-    them (else the module's ``reset_parameters()``, else the root's ``_init_weights(module)``
-    when it is a transformers model: its norms, rotary tables and position buffers), rank 0's
-    values are broadcast and handed to ``on_values`` (which keeps this rank's rows), and the
-    storage is dropped: at most one module is ever whole. A parameter shared with a module
-    initialised earlier is swapped for scratch storage, as eager construction discards a tied
-    module's own weight, so random streams match eager construction with the same seed. Meta
-    buffers are materialised in place. Raises, naming them, if parameters or buffers are left
-    uninitialised.
+    them (by default the root's ``_init_weights(module)`` when it is a transformers model, as
+    its ``from_config`` initialises every module, else the module's ``reset_parameters()``),
+    rank 0's values are broadcast and handed to ``on_values`` (which keeps this rank's rows),
+    and the storage is dropped: at most one module is ever whole. A parameter shared with a
+    module initialised earlier is swapped for scratch storage, as eager construction discards
+    a tied module's own weight, so random streams match eager construction with the same seed.
+    Meta buffers are materialised in place. Raises, naming them, if parameters or buffers are
+    left uninitialised.
     """
     done: set[nn.Parameter] = set()
     missing: list[str] = []
@@ -170,14 +170,10 @@ def materialize(
         bufs = [(a, b) for a, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not bufs:
             continue
-        if init_fn is not None:
-            init = functools.partial(init_fn, module)
-        elif hasattr(module, "reset_parameters"):
-            init = module.reset_parameters
-        elif model_init is not None:
-            init = functools.partial(model_init, module)
+        if init_fn is not None or model_init is not None:
+            init = functools.partial(init_fn or model_init, module)
         else:
-            init = None
+            init = getattr(module, "reset_parameters", None)
         if init is None:
             missing += [f"{mname}.{a}" if mname else a for a, p in own if p not in done]
             missing += [f"{mname}.{a}" if mname else a for a, _ in bufs]

@@ -418,7 +418,8 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
     ``from_pretrained`` would: checkpoint names are mapped as transformers maps them
     (``pretrained.model_names``), and tensors the checkpoint lacks keep their values while
     tensors the model lacks are ignored, each with a warning on rank 0 (a task head that the
-    checkpoint does not hold stays as initialised). A checkpoint that matches nothing raises.
+    checkpoint does not hold stays as initialised). A peft model takes the checkpoint of the
+    model it adapts; its adapters keep their values. A checkpoint that matches nothing raises.
     """
     rt = runtime_of(model, "load_full")
     finish_pending(model)
@@ -452,9 +453,9 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
                 rows = shape[0] if shape else 1
                 plan.rows(stored, shape, None, [Piece(str(where[stored]), 0, rows)], lo, hi, dest)
             extra = sorted(set(where) - used)
-            if not used:
-                plan.problem(f"{path} holds none of the model's tensors")
-            elif missing and not hf:
+            if hf and not used:
+                plan.problem(f"{path} holds none of the model's tensors: it has {_names(extra)}")
+            if missing and not hf:
                 plan.problem(f"tensors missing from {path}: {_names(missing)}")
             if extra and not hf:
                 plan.problem(f"{path} has tensors the model does not: {_names(extra)}")
@@ -465,6 +466,8 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
             for copy in plan.copies:
                 copy()
     if hf and dist.get_rank(group) == 0:
+        adapters = set(pretrained.adapter_only(model, missing))
+        missing = [n for n in missing if n not in adapters]  # a base checkpoint has none
         if missing:
             warnings.warn(
                 f"{path} has no values for {_names(missing)}: they keep their initial values, "

@@ -178,23 +178,8 @@ def _is_peft(model: nn.Module) -> bool:
 
 def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], dict[str, str]]:
     """Each name of a peft model -> its name in peft's adapter file, or in the base model's
-    files (the name it had before peft: no ``base_model.model.`` prefix, no ``base_layer``).
-    The adapter's names are peft's own (``get_peft_model_state_dict``), asked of shapes on
-    the meta device."""
-    from peft.utils import get_peft_model_state_dict
-
-    adapters = list(model.peft_config)
-    if len(adapters) != 1:
-        raise NotImplementedError(
-            f"save_pretrained writes one adapter; the model has {adapters}: delete the others "
-            "first (model.delete_adapter(name))"
-        )
-    probes = {t.name: torch.empty(t.shape, device="meta") for t in tensors}
-    got = get_peft_model_state_dict(
-        model, state_dict=probes, adapter_name=adapters[0], save_embedding_layers=False
-    )
-    back = {id(v): k for k, v in probes.items()}
-    adapter = {back[id(v)]: k for k, v in got.items()}
+    files (the name it had before peft: no ``base_model.model.`` prefix, no ``base_layer``)."""
+    adapter = _adapter_names(model, [t.name for t in tensors])
     base = {}
     for t in tensors:
         if t.name in adapter or ".modules_to_save." in t.name:
@@ -207,6 +192,25 @@ def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], 
         name = t.name.removeprefix(_PEFT_PREFIX)
         base[t.name] = name.replace(".base_layer.", ".").replace(".original_module.", ".")
     return adapter, base
+
+
+def _adapter_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """The adapter's tensors among ``names`` -> their names in peft's adapter file: peft's own
+    mapping (``get_peft_model_state_dict``), asked of empty tensors on the meta device."""
+    from peft.utils import get_peft_model_state_dict
+
+    adapters = list(model.peft_config)
+    if len(adapters) != 1:
+        raise NotImplementedError(
+            f"shardwise handles one peft adapter; the model has {adapters}: delete the others "
+            "first (model.delete_adapter(name))"
+        )
+    probes = {n: torch.empty(0, device="meta") for n in names}
+    got = get_peft_model_state_dict(
+        model, state_dict=probes, adapter_name=adapters[0], save_embedding_layers=False
+    )
+    back = {id(v): k for k, v in probes.items()}
+    return {back[id(v)]: k for k, v in got.items()}
 
 
 # --- configs
@@ -242,8 +246,24 @@ def model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
     """Each checkpoint name -> the model's name for it, as transformers' ``from_pretrained``
     maps them: its renamings for the model (legacy ``LayerNorm.gamma`` -> ``.weight`` and the
     model's own), and the base-model prefix added or removed (a ``LlamaModel`` checkpoint
-    into a ``LlamaForCausalLM`` and back). A name that needs one of transformers' tensor
-    conversions (fused or split tensors) raises: those cannot be read row by row."""
+    into a ``LlamaForCausalLM`` and back). For a peft model, the names of the model it adapts
+    (a base checkpoint into a model whose layers peft wrapped). A name that needs one of
+    transformers' tensor conversions (fused or split tensors) raises: those cannot be read
+    row by row."""
+    if _is_peft(model):
+        inner = model.get_base_model()
+        before = {n.replace(".base_layer.", "."): n for n in inner.state_dict()}
+        mapped = _transformers_names(inner, stored, before)
+        return {s: _PEFT_PREFIX + before.get(m, m) for s, m in mapped.items()}
+    return _transformers_names(model, stored, model.state_dict())
+
+
+def adapter_only(model: nn.Module, names: list[str]) -> list[str]:
+    """Which of ``names`` are a peft model's adapters, which no base checkpoint holds."""
+    return list(_adapter_names(model, names)) if _is_peft(model) else []
+
+
+def _transformers_names(model: nn.Module, stored: list[str], known) -> dict[str, str]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
@@ -259,7 +279,7 @@ def model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    known = dict.fromkeys(model.state_dict(), True)
+    known = dict.fromkeys(known, True)
     out, converted = {}, []
     for name in stored:
         renamed, pattern = rename_source_key(
