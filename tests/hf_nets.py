@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -145,8 +146,9 @@ def generate_pair(kind: str):
 
 def export_round_trip(kind: str, out: str, dtype: torch.dtype | None, max_shard_bytes: int):
     """Train the sharded model two steps, export it, and load the export unsharded on rank 0
-    with transformers (and peft). Returns the files written and whether every tensor of the
-    loaded model equals the sharded model's (cast to ``dtype``) bit for bit."""
+    with transformers (and peft). Returns the files written and the checks: every tensor of
+    the loaded model equals the sharded model's (cast to ``dtype``) bit for bit, and no unit's
+    full parameters were still held when the next unit was gathered."""
     import transformers as tf
 
     model = sharded_copy(build(kind))
@@ -155,7 +157,24 @@ def export_round_trip(kind: str, out: str, dtype: torch.dtype | None, max_shard_
         loss_of(model, rank_rows(tokens(step, 2 * dist.get_world_size()))).backward()
         opt.step()
         opt.zero_grad()
+    alive, most = [], 0  # the gathered units still held whenever another is gathered
+
+    def watched(unit):
+        def gather_full():
+            nonlocal most
+            most = max(most, sum(r() is not None for r in alive))
+            full = original()
+            alive.append(weakref.ref(full[0]))
+            return full
+
+        original = unit.gather_full
+        return gather_full
+
+    for unit in shardwise.units(model):
+        unit.gather_full = watched(unit)
     shardwise.save_pretrained(model, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    for unit in shardwise.units(model):
+        del unit.gather_full
     full = shardwise.full_state_dict(model)
     if dist.get_rank() != 0:
         return None
@@ -171,6 +190,7 @@ def export_round_trip(kind: str, out: str, dtype: torch.dtype | None, max_shard_
         torch.equal(got[k], v.to(cast) if v.is_floating_point() else v) for k, v in want.items()
     )
     checks["dtype"] = all(v.dtype == cast for v in got.values() if v.is_floating_point())
+    checks["one unit at a time"] = most == 0 and len(alive) >= len(shardwise.units(model))
     if kind == "llama_lora":
         from peft import PeftModel
 
