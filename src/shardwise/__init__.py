@@ -2,7 +2,8 @@
 
     import shardwise
     shardwise.init()                                   # torchrun's environment, nccl or gloo
-    model = shardwise.shard(GPT(cfg), wrap=shardwise.wrap.by_class(Block))
+    model = GPT(cfg)
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model))  # one unit per Block
     opt = torch.optim.AdamW(model.parameters())        # sees only this rank's shards
 """
 

@@ -194,20 +194,23 @@ def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], 
     return adapter, base
 
 
-def _adapter_names(model: nn.Module, names: list[str]) -> dict[str, str]:
-    """The adapter's tensors among ``names`` -> their names in peft's adapter file: peft's own
-    mapping (``get_peft_model_state_dict``), asked of empty tensors on the meta device."""
+def _adapter_names(model: nn.Module, names: list[str], adapter: str | None = None) -> dict[str, str]:
+    """The tensors of one adapter (the only one, unless named) among ``names`` -> their names
+    in peft's adapter file: peft's own mapping (``get_peft_model_state_dict``), asked of empty
+    tensors on the meta device."""
     from peft.utils import get_peft_model_state_dict
 
-    adapters = list(model.peft_config)
-    if len(adapters) != 1:
-        raise NotImplementedError(
-            f"shardwise handles one peft adapter; the model has {adapters}: delete the others "
-            "first (model.delete_adapter(name))"
-        )
+    if adapter is None:
+        adapters = list(model.peft_config)
+        if len(adapters) != 1:
+            raise NotImplementedError(
+                f"save_pretrained writes one peft adapter; the model has {adapters}: delete "
+                "the others first (model.delete_adapter(name))"
+            )
+        adapter = adapters[0]
     probes = {n: torch.empty(0, device="meta") for n in names}
     got = get_peft_model_state_dict(
-        model, state_dict=probes, adapter_name=adapters[0], save_embedding_layers=False
+        model, state_dict=probes, adapter_name=adapter, save_embedding_layers=False
     )
     back = {id(v): k for k, v in probes.items()}
     return {back[id(v)]: k for k, v in got.items()}
@@ -260,7 +263,9 @@ def model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
 
 def adapter_only(model: nn.Module, names: list[str]) -> list[str]:
     """Which of ``names`` are a peft model's adapters, which no base checkpoint holds."""
-    return list(_adapter_names(model, names)) if _is_peft(model) else []
+    if not _is_peft(model):
+        return []
+    return [n for a in model.peft_config for n in _adapter_names(model, names, a)]
 
 
 def _transformers_names(model: nn.Module, stored: list[str], known) -> dict[str, str]:
