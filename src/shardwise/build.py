@@ -165,7 +165,8 @@ def materialize(
     done: set[nn.Parameter] = set()
     missing: list[str] = []
     # a transformers model's own initialiser (its PreTrainedModel has a base_model_prefix)
-    model_init = getattr(root, "_init_weights", None) if hasattr(root, "base_model_prefix") else None
+    transformers = hasattr(root, "base_model_prefix")
+    model_init = getattr(root, "_init_weights", None) if transformers else None
     for mname, module in root.named_modules():
         own = [(a, p) for a, p in module._parameters.items() if p is not None and p.is_meta]
         bufs = [(a, b) for a, b in module._buffers.items() if b is not None and b.is_meta]

@@ -298,18 +298,21 @@ class Progress:
         if enabled and sys.stdout.isatty() and importlib.util.find_spec("tqdm") is not None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, unit="step", file=sys.stdout, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", file=sys.stdout, dynamic_ncols=True
+            )
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.3f}, {tokens_per_s / 1000:.1f}k tok/s", refresh=False)
+            postfix = f"loss {loss:.3f}, {tokens_per_s / 1000:.1f}k tok/s"
+            self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(step - self.bar.n)
         elif self.enabled:
             done = step - self.start
             eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
             print(
-                f"step {step:>5}/{self.total}  loss {loss:6.3f}  {tokens_per_s / 1000:6.1f}k tok/s  "
-                f"ETA {int(eta) // 60}:{int(eta) % 60:02d}",
+                f"step {step:>5}/{self.total}  loss {loss:6.3f}  "
+                f"{tokens_per_s / 1000:6.1f}k tok/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}",
                 flush=True,
             )
 

@@ -475,4 +475,7 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
                 stacklevel=2,
             )
         if extra:
-            warnings.warn(f"{path} has tensors the model does not use, ignored: {_names(extra)}", stacklevel=2)
+            warnings.warn(
+                f"{path} has tensors the model does not use, ignored: {_names(extra)}",
+                stacklevel=2,
+            )

@@ -194,7 +194,9 @@ def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], 
     return adapter, base
 
 
-def _adapter_names(model: nn.Module, names: list[str], adapter: str | None = None) -> dict[str, str]:
+def _adapter_names(
+    model: nn.Module, names: list[str], adapter: str | None = None
+) -> dict[str, str]:
     """The tensors of one adapter (the only one, unless named) among ``names`` -> their names
     in peft's adapter file: peft's own mapping (``get_peft_model_state_dict``), asked of empty
     tensors on the meta device."""
