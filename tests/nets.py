@@ -214,8 +214,11 @@ def global_mean(loss: torch.Tensor) -> float:
     return float(t) / dist.get_world_size()
 
 
-def train_pair(kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: int = 2, lr: float = 1e-2):
-    """Train a sharded copy and the unsharded reference side by side on the same global batch.
+def train_pair(
+    kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: int = 2, lr: float = 1e-2, **options
+):
+    """Train a sharded copy and the unsharded reference side by side on the same global batch
+    (``options`` go to ``shard()``).
 
     Returns on rank 0: sharded losses, reference losses, the largest difference between final
     parameters, and how far the reference parameters moved from their start (so the
@@ -223,7 +226,7 @@ def train_pair(kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: i
     """
     ref = make(kind)
     start = copy.deepcopy(ref.state_dict())
-    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy(wrap, kind), strategy=strategy)
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy(wrap, kind), strategy=strategy, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     n = dist.get_world_size()

@@ -38,7 +38,8 @@ from . import flight
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "step_check")
+# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "broadcast", "step_check")
 
 
 @dataclass
@@ -257,15 +258,17 @@ def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending
 
 
 def all_reduce(
-    tensor: torch.Tensor, group, label: str, op: dist.ReduceOp = dist.ReduceOp.SUM
+    tensor: torch.Tensor,
+    group,
+    label: str,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    kind: str = "all_reduce",
 ) -> Pending:
-    """Reduce ``tensor`` in place over ranks, asynchronously."""
+    """Reduce ``tensor`` in place over ranks, asynchronously (booked as ``kind``)."""
     world = dist.get_world_size(group)
-    _book("all_reduce", tensor.numel() * tensor.element_size(), world, factor=2)
+    _book(kind, tensor.numel() * tensor.element_size(), world, factor=2)
     nbytes = tensor.numel() * tensor.element_size()
-    return _issue(
-        "all_reduce", label, nbytes, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    )
+    return _issue(kind, label, nbytes, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:

@@ -6,10 +6,13 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .errors import ShardwiseError
 
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -55,10 +58,10 @@ _host_groups: dict = {}
 
 
 def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A Gloo group over the ranks of ``group`` for small host-side agreements (one per group
-    and process; None for one rank). Its own group, so that its collectives never meet the
-    data collectives of ``group``, and on the host, so that reading its result never waits
-    for a GPU. Collective: every rank of ``group`` calls it in the same order."""
+    """A Gloo group over the ranks of ``group`` (None: the world) for small host-side
+    agreements (one per group and process; None for one rank). Its own group, so that its
+    collectives never meet the data collectives, and on the host, so that reading its result
+    never waits for a GPU. Collective: every rank of ``group`` calls it in the same order."""
     if dist.get_world_size(group) == 1:
         return None
     key = group if group is not None else dist.group.WORLD
@@ -66,6 +69,80 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         _host_groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=ranks is not None)
     return _host_groups[key]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The ranks one model trains on: parameters are sharded within ``shard`` and, for hybrid
+    sharding, replicated across the shard groups, whose same-position ranks form ``replicate``
+    (a 2-D mesh of shape (replicate, shard)). ``whole`` spans every rank of the mesh (None: the
+    world): values are broadcast and ranks agree over it."""
+
+    shard: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup | None = None
+    whole: dist.ProcessGroup | None = None
+
+
+_meshes: dict = {}
+
+
+def mesh_of(group, mesh, *, hybrid: bool, shard_size: int | None) -> Mesh:
+    """Check the caller's layout and build the groups it names (collective).
+
+    Hybrid: a ``torch.distributed.device_mesh.DeviceMesh`` of shape (replicate, shard), or the
+    world in groups of ``shard_size`` consecutive ranks (default: torchrun's
+    LOCAL_WORLD_SIZE, one node). Otherwise ``group`` (or a 1-D ``mesh``; default the world).
+    """
+    if group is not None and mesh is not None:
+        raise ShardwiseError("pass group= or mesh=, not both: a mesh already names its groups")
+    if mesh is not None and not hasattr(mesh, "get_group"):
+        raise ShardwiseError(f"mesh= takes a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if not hybrid:
+        if shard_size is not None:
+            raise ShardwiseError(
+                f"shard_size={shard_size} is for hybrid sharding: use strategy='hybrid_shard' "
+                "(or 'hybrid_shard_grad_op'), or drop shard_size to shard over the whole group."
+            )
+        if mesh is not None:
+            if mesh.ndim != 1:
+                raise ShardwiseError(
+                    f"a {mesh.ndim}-D mesh {tuple(mesh.shape)} is for hybrid sharding: use "
+                    "strategy='hybrid_shard' with a mesh of shape (replicate, shard), or a 1-D mesh."
+                )
+            group = mesh.get_group()
+        return Mesh(group, None, group)
+    if mesh is not None:
+        if mesh.ndim != 2:
+            raise ShardwiseError(
+                f"hybrid sharding takes a 2-D mesh of shape (replicate, shard); got a {mesh.ndim}-D "
+                f"mesh {tuple(mesh.shape)}: build it with init_device_mesh(device, (replicas, shard_size))."
+            )
+        if shard_size is not None and shard_size != mesh.shape[1]:
+            raise ShardwiseError(f"shard_size={shard_size} contradicts the mesh's shard dimension {mesh.shape[1]}: pass one of them")
+        if mesh.mesh.numel() != dist.get_world_size():
+            raise ShardwiseError(
+                f"the mesh {tuple(mesh.shape)} spans {mesh.mesh.numel()} of the {dist.get_world_size()} "
+                "ranks: hybrid sharding takes a mesh over the whole world."
+            )
+        return Mesh(mesh.get_group(1), mesh.get_group(0) if mesh.shape[0] > 1 else None, None)
+    if group is not None:
+        raise ShardwiseError("hybrid sharding over a group: pass mesh= (a 2-D DeviceMesh of shape (replicate, shard)) instead of group=")
+    world = dist.get_world_size()
+    if shard_size is None:
+        shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not isinstance(shard_size, int) or shard_size < 1 or world % shard_size:
+        raise ShardwiseError(
+            f"shard_size={shard_size!r} must divide the world size {world}: the world is split into "
+            f"groups of shard_size consecutive ranks (one node each, typically: torchrun's --nproc_per_node)."
+        )
+    key = (world, shard_size, dist.group.WORLD)
+    if key not in _meshes:
+        rows = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(world // shard_size)]
+        cols = [list(range(c, world, shard_size)) for c in range(shard_size)]
+        shard_group, _ = dist.new_subgroups_by_enumeration(rows, backend=dist.get_backend())
+        replicate_group, _ = dist.new_subgroups_by_enumeration(cols, backend=dist.get_backend())
+        _meshes[key] = Mesh(shard_group, replicate_group if len(rows) > 1 else None, None)
+    return _meshes[key]
 
 
 def device() -> torch.device:

@@ -26,7 +26,8 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import events
 from .errors import ShardwiseError
-from .policies import MixedPrecision
+from .groups import Mesh
+from .policies import MixedPrecision, Sharding
 from . import collectives as C
 from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 
@@ -107,6 +108,8 @@ class Runtime:
         root: nn.Module,
         units: list[Unit],
         strategy: str,
+        sharding: Sharding,
+        mesh: Mesh,
         max_unsharded: int,
         precision: MixedPrecision,
         host_group,
@@ -115,7 +118,9 @@ class Runtime:
         self.precision = precision
         self.grad_scaler = None  # a shardwise.GradScaler attaches itself here
         self.units = units  # innermost first, root last
-        self.strategy = strategy
+        self.strategy = strategy  # its name, for tools and checkpoints
+        self.sharding = sharding  # what it means
+        self.mesh = mesh
         self.max_unsharded = max_unsharded
         self.sync_grads = True
         self.phase = Phase.IDLE
@@ -127,7 +132,7 @@ class Runtime:
         # the last unit of the previous forward runs first in backward: full_shard keeps it
         # gathered rather than reshard it and gather it again at once
         self.last_forward: Unit | None = None
-        self.reducing: Unit | None = None  # the sharded unit whose reduction was issued last
+        self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
         # Note [when a unit reduces]: ranks must issue untagged collectives in one order, and
@@ -195,7 +200,7 @@ class Runtime:
             if events.listeners:
                 events.emit("forward", unit.label, edge="end")
             grad = torch.is_grad_enabled()
-            if not grad or (self.strategy == "full_shard" and not unit.is_root and unit is not self.last_forward):
+            if not grad or (self.sharding.reshard_after_forward and not unit.is_root and unit is not self.last_forward):
                 unit.reshard()
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
@@ -222,7 +227,7 @@ class Runtime:
         """
         if nxt is None or nxt.state is not UnitState.SHARDED:
             return
-        if self.strategy == "full_shard":
+        if self.sharding.reshard_after_forward:
             if self._count_unsharded() >= self.max_unsharded:
                 return
         elif self._count_unsharded(gathering_only=True):
@@ -235,7 +240,7 @@ class Runtime:
         return sum(u.state is not UnitState.SHARDED for u in self.units if not u.is_root)
 
     def _note_unsharded(self) -> None:
-        if self.strategy == "full_shard":
+        if self.sharding.reshard_after_forward:
             self.peak_unsharded = max(self.peak_unsharded, self._count_unsharded())
 
     # --- backward
@@ -281,16 +286,20 @@ class Runtime:
             self.next_in_order += 1
 
     def reduce(self, unit: ShardedUnit) -> None:
-        """Issue a sharded unit's gradient reduction once its backward is over. The unit
-        reduced before it is finished first: its scratch rows go before this one's are
-        allocated, rather than every unit's staying to the end of backward; and the unit's
-        full parameters are freed before its rows are allocated, not after."""
-        if self.reducing is not None and self.reducing is not unit:
-            self.reducing.finish_reduce()
-        self.reducing = unit
+        """Issue a sharded unit's gradient reduction once its backward is over. The reduction
+        issued before it moves on first: its reduce-scatter is finished, so its scratch rows
+        go before this one's are allocated (rather than every unit's staying to the end of
+        backward), and, with hybrid sharding, its all-reduce across replicas is issued and
+        left to overlap this one's reduce-scatter. The unit's full parameters are freed
+        before its rows are allocated, not after."""
+        for u in self.reducing:
+            u.advance_reduce()
+        while len(self.reducing) > (1 if self.sharding.hybrid else 0):
+            self.reducing.pop(0).finish_reduce()
         if not unit.is_root:
             unit.reshard()
         unit.reduce_grads()
+        self.reducing.append(unit)
 
     def post_backward(self, unit: Unit) -> None:
         """The backward of one forward call of the unit is complete."""
@@ -315,7 +324,7 @@ class Runtime:
                 u.finish_reduce()
             self._keep_used()
             self.ran_since_sync = set()
-        self.reducing = None
+        self.reducing = []
         self.next_in_order = 0
         self.pending_backwards = {}
         for u in self.units:

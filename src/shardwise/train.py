@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import api, checkpoint, groups
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
+from .policies import STRATEGIES
 from .scaler import GradScaler
 from .tools import charts, report
 from .tools.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="shardwise train", description=__doc__.splitlines()[0])
     defaults = TrainConfig()
     p.add_argument("--nproc", type=int, default=defaults.nproc, help="ranks on this machine (0: one per GPU, else 2)")
-    p.add_argument("--strategy", choices=api.STRATEGIES, default=defaults.strategy)
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
     p.add_argument("--wrap", choices=("block", "size", "none"), default=defaults.wrap, help="which modules become units")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")

@@ -149,8 +149,13 @@ class ShardedUnit(Unit):
         precision: MixedPrecision,
         offload: bool = False,
         copy_stream=None,
+        replicate=None,
     ):
         super().__init__(module, name, registrations, group)
+        # hybrid sharding: the same-position ranks of the other shard groups, which hold the
+        # same shards; gradients are all-reduced over them after the reduce-scatter
+        self.replicate = replicate
+        self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
@@ -192,6 +197,7 @@ class ShardedUnit(Unit):
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
         self._reduce: C.Pending | None = None
+        self._replica: C.Pending | None = None
         self._reduce_out: torch.Tensor | None = None
         self._local_grads: list[torch.Tensor] | None = None
         self._swap(self.shard_params)
@@ -282,7 +288,7 @@ class ShardedUnit(Unit):
             if rg:
                 grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
                 p.grad = None
-        if self.world == 1 and self._direct:  # nothing to reduce: the gradients are the shards'
+        if self.world * self.replicas == 1 and self._direct:  # nothing to reduce: the gradients are the shards'
             self._local_grads = grads
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
@@ -293,16 +299,26 @@ class ShardedUnit(Unit):
         self._predivided = self.reduce_dtype.itemsize < 4
         if self._predivided:
             for row in buf.rows:
-                row.div_(self.world)
+                row.div_(self.world * self.replicas)
         self._reduce_out = buf.out
         self._reduce = C.reduce_scatter(buf, self.group, self.label, self.channel) if self.world > 1 else None
+        self._replica = None
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
 
+    def advance_reduce(self) -> None:
+        """Finish the reduce-scatter and, with hybrid sharding, issue the all-reduce of its
+        result across the replicas (no wait)."""
+        if self._reduce is not None:
+            self._reduce.wait()
+            self._reduce = None
+        if self.replicate is not None and self._reduce_out is not None and self._replica is None:
+            self._replica = C.all_reduce(self._reduce_out, self.replicate, self.label, kind="replica_all_reduce")
+
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters
-        (in the shards' dtype, in host memory when offloaded)."""
+        """Wait for the reduction, average, and leave ``.grad`` on the shard parameters (in the
+        shards' dtype, in host memory when offloaded)."""
         shards = self._grad_holders()
         if self._local_grads is not None:
             self._fresh = [p.grad is None for p in shards]
@@ -316,11 +332,12 @@ class ShardedUnit(Unit):
             return
         if self._reduce_out is None:
             return
-        if self._reduce is not None:
-            self._reduce.wait()
+        self.advance_reduce()
+        if self._replica is not None:
+            self._replica.wait()
         out = self._reduce_out
         if not self._predivided:
-            out.div_(self.world)
+            out.div_(self.world * self.replicas)
         master = self.flat_shard
         if self.offloaded or out.dtype != master.dtype or out.device != master.device:
             host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
@@ -332,7 +349,7 @@ class ShardedUnit(Unit):
                 p.grad = g
             else:
                 p.grad += g
-        self._reduce = self._reduce_out = None
+        self._reduce = self._reduce_out = self._replica = None
         if events.listeners:
             events.emit("reduce_done", self.label)
 
