@@ -195,7 +195,8 @@ def _gather_rows(shard: torch.Tensor, *, group, async_op: bool):
     """Every rank's shard, as a list indexed by rank: this rank's is ``shard`` itself.
 
     Gloo: one in-place broadcast per rank into N-1 receive rows (Note [Gloo gather and
-    reduce-scatter]). Otherwise one all-gather into a rank-major buffer.
+    reduce-scatter]). Otherwise one all-gather into a rank-major tensor (returned whole, so
+    that the copy-out is one kernel; ``out[rank]`` is a copy of ``shard`` there).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = shard.view(-1)
@@ -209,13 +210,14 @@ def _gather_rows(shard: torch.Tensor, *, group, async_op: bool):
             for r in range(world)
         ]
         return works, None, rows
-    out = mine.new_empty(world, mine.numel())
-    return [_all_gather_tensor(out, mine, group=group, async_op=async_op)], None, list(out.unbind(0))
+    out = mine.new_empty(world, mine.numel())  # one rank-major tensor: its rows index by rank
+    return [_all_gather_tensor(out, mine, group=group, async_op=async_op)], None, out
 
 
 def all_gather(shard: torch.Tensor, group, label: str) -> Pending:
     """Gather every rank's equal-sized ``shard``, asynchronously; after ``wait()``,
-    ``result[r]`` is rank r's shard (``result[rank]`` is ``shard``: read it, don't write it)."""
+    ``result[r]`` is rank r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it,
+    don't write it)."""
     world = dist.get_world_size(group)
     nbytes = world * shard.numel() * shard.element_size()
     _book("all_gather", nbytes, world)
