@@ -35,7 +35,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 import shardwise
 from shardwise.data import get_batch, rank_slice
@@ -286,11 +285,13 @@ def _f(x, spec: str, scale: float = 1.0) -> str:
 def render(s: dict) -> str:
     c = s["config"]
     lines = [
-        f"{s['date']}: {s['device']} ({s['gpus']} GPU(s)), torch {s['torch']}; GPT {c['size']} "
-        f"({s['num_params'] / 1e6:.1f}M parameters), {c['batch_size']} x {c['seq_len']} tokens a step; "
-        f"{c['rounds']} rounds x {c['steps']} timed steps per system after {c['warmup']} warm-up; "
-        f"MFU against {_f(s['peak_tflops'], '.0f')} TFLOP/s dense bf16, {s['flops_per_token'] / 1e9:.2f} "
-        f"GFLOP per token; {s['wall_s']:.0f} s in all",
+        (
+            f"{s['date']}: {s['device']} ({s['gpus']} GPU(s)), torch {s['torch']}; GPT {c['size']} "
+            f"({s['num_params'] / 1e6:.1f}M parameters), {c['batch_size']} x {c['seq_len']} tokens a "
+            f"step; {c['rounds']} rounds x {c['steps']} timed steps per system after {c['warmup']} "
+            f"warm-up; MFU against {_f(s['peak_tflops'], '.0f')} TFLOP/s dense bf16, "
+            f"{s['flops_per_token'] / 1e9:.2f} GFLOP per token; {s['wall_s']:.0f} s in all"
+        ),
         "",
         "| run | blocks | precision | median ms (p25-p75) | tokens/s | MFU | vs plain | peak GiB | vs FSDP2 peak | check |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|",

@@ -51,7 +51,7 @@ class _Device:
         self.current = _Stream(self, "compute")
         self._names = iter(["copy_in", "gather", "reduce"])
 
-    def Stream(self, device, priority=0):  # noqa: N802 (torch.cuda.Stream)
+    def Stream(self, device, priority=0):  # as torch.cuda.Stream
         return _Stream(self, next(self._names))
 
     def current_stream(self) -> _Stream:
