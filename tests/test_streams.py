@@ -119,7 +119,7 @@ def _check_rules(log, held, offload):
                 fresh[stream] = True  # rule 1
             elif other in side:  # through copy_in, which waited for compute
                 fresh[stream], fresh[other] = fresh[other], False
-        elif kind == "event" and entry[1] == "collective":
+        elif kind == "event" and entry[1] == "collective" and entry[3] in counts:
             _, _, unit, what, current = entry
             want = "gather" if what == "all_gather" else "reduce"
             assert current == want, f"{what} of {unit} issued on {current}"

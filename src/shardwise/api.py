@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import weakref
@@ -152,7 +153,7 @@ def shard(
             )
         for r in plan.registrations:
             _retire(plan.params[r.index], r.fqn)
-    module._shardwise = Runtime(module, units, strategy, max_unsharded, precision)
+    module._shardwise = Runtime(module, units, strategy, max_unsharded, precision, groups.host_group(group))
     _install_optimizer_guard()
     if init_from is not None:
         from .checkpoint import load_full  # checkpoint builds on this module
@@ -348,20 +349,35 @@ def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Module
 
 def register_forward_method(module: nn.Module, name: str) -> None:
     """Make calls of ``module.<name>()`` gather and free the unit like ``forward`` does (for
-    methods such as ``generate`` or ``encode`` that use the parameters directly)."""
+    methods such as ``generate`` or ``encode`` that use the parameters directly).
+
+    The call goes through the module's own hooks: ``module(...)`` runs with the method in
+    place of ``forward`` for that one call, and the real ``forward`` is back before the method
+    starts, so the method's own calls of the model (``generate`` calls ``forward`` per token)
+    are ordinary forwards. The replacement keeps the method's name, docstring and signature
+    (``functools.wraps``), which libraries such as transformers inspect.
+    """
     method = getattr(module, name)
 
+    @functools.wraps(method)
     def call_with_hooks(*args, **kwargs):
-        had_own = "forward" in module.__dict__
         own = module.__dict__.get("forward")
-        module.forward = method
+
+        def restore() -> None:
+            if own is not None:
+                module.forward = own
+            else:
+                module.__dict__.pop("forward", None)
+
+        def run(*a, **k):
+            restore()
+            return method(*a, **k)
+
+        module.forward = run
         try:
             return module(*args, **kwargs)
         finally:
-            if had_own:
-                module.forward = own
-            else:
-                del module.forward
+            restore()
 
     setattr(module, name, call_with_hooks)
 

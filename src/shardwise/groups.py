@@ -11,28 +11,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import collectives
 
 DEFAULT_TIMEOUT_S = 300.0
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init(
-    *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, check_collectives: bool = False
-) -> None:
+def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """Start the default process group from torchrun's environment.
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds each process to
     ``cuda:LOCAL_RANK``, and sets the collective timeout (seconds) after which a collective
     that cannot complete (a rank died or took another path) raises on every rank instead of
-    hanging. Without torchrun's variables it starts a world of size 1. A no-op when a default
-    group already exists, except that ``check_collectives`` (debug mode: ranks compare every
-    collective before issuing it, so one that took another path is named at once) is applied.
+    hanging, naming where each rank was (flight.py). Without torchrun's variables it starts a
+    world of size 1. A no-op when a default group already exists.
     """
+    global _timeout_s
     if dist.is_initialized():
-        collectives.check_collectives(check_collectives)
         return
+    _timeout_s = timeout
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -44,7 +41,31 @@ def init(
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
-    collectives.check_collectives(check_collectives)
+
+
+_timeout_s = DEFAULT_TIMEOUT_S
+
+
+def timeout_s() -> float:
+    """The collective timeout ``init()`` set (its default if another call started the group)."""
+    return _timeout_s
+
+
+_host_groups: dict = {}
+
+
+def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A Gloo group over the ranks of ``group`` for small host-side agreements (one per group
+    and process; None for one rank). Its own group, so that its collectives never meet the
+    data collectives of ``group``, and on the host, so that reading its result never waits
+    for a GPU. Collective: every rank of ``group`` calls it in the same order."""
+    if dist.get_world_size(group) == 1:
+        return None
+    key = group if group is not None else dist.group.WORLD
+    if key not in _host_groups:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        _host_groups[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=ranks is not None)
+    return _host_groups[key]
 
 
 def device() -> torch.device:

@@ -5,12 +5,12 @@ Forward: a unit's pre-forward hook waits for (or issues) its gather and issues t
 the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
 except the unit that ran last, which backward needs first) and registers the pre-backward hook
 on the unit's outputs. Backward: the pre-backward hook gathers again and prefetches in
-backward order; a post-accumulate-grad hook on each full parameter counts finished gradients,
-and the unit's reduce-scatter is issued as soon as all are in, while earlier layers still
-compute, and finished before the next unit's is issued; an identity autograd function on the
-unit's inputs marks the end of its backward, where it reshards (at the issue already, before
-its gradient rows are allocated, when all its parameters train: then nothing left in
-backward reads them). The final callback finishes what is left, waits for every reduce and
+backward order; an identity autograd function on the unit's inputs marks the end of its
+backward, where it reshards and issues its reduce-scatter (Note [when a unit reduces]), while
+earlier layers still compute, after finishing the one issued before. A post-accumulate-grad
+hook on each full parameter notes which parameters got a gradient. The final callback issues
+what is left, waits for every reduction, agrees with the other ranks on which parameters got
+a gradient anywhere (those that got none keep their ``.grad``, as in one process) and
 leaves ``.grad`` on the shards.
 """
 
@@ -29,7 +29,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import events
 from .errors import ShardwiseError
 from .policies import MixedPrecision
-from .unit import ShardedUnit, Unit, UnitState
+from . import collectives as C
+from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
 class Phase(Enum):
@@ -137,7 +138,13 @@ class Runtime:
     """Hook state of one sharded model: its units, phase, recorded orders and options."""
 
     def __init__(
-        self, root: nn.Module, units: list[Unit], strategy: str, max_unsharded: int, precision: MixedPrecision
+        self,
+        root: nn.Module,
+        units: list[Unit],
+        strategy: str,
+        max_unsharded: int,
+        precision: MixedPrecision,
+        host_group,
     ):
         self.root = root
         self.precision = precision
@@ -158,6 +165,19 @@ class Runtime:
         self.reducing: Unit | None = None  # the sharded unit whose reduction was issued last
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
+        # Note [when a unit reduces]: ranks must issue untagged collectives in one order, and
+        # which parameters get a gradient may differ between ranks (data-dependent models), so
+        # no reduction waits on "every gradient is in". A sharded unit reduces when the last
+        # backward of this step's forward calls of it ends (``post_backward``), else at the
+        # end of backward. Replicated units have no gathers to keep in step with: they reduce
+        # in one fixed order (reverse module order), each as soon as it and those before it
+        # have all their gradients, the rest at the end of backward (DDP's bucket order).
+        self.reduce_order = _reverse_module_order(root, [u for u in units if isinstance(u, ReplicatedUnit)])
+        self.next_in_order = 0  # position in reduce_order of the next reduction to issue
+        self.pending_backwards: dict[Unit, int] = {}  # forward calls whose backward has not ended
+        self.ran_since_sync: set[Unit] = set()
+        self.host_group = host_group  # the side group of the step check (collectives.step_check)
+        self.check_buffer: torch.Tensor | None = None
         for unit in units:
             self._register(unit)
 
@@ -167,9 +187,9 @@ class Runtime:
         if isinstance(unit, ShardedUnit) or unit.casts:  # plain no_shard needs none, like DDP
             m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
             m.register_forward_hook(self._make_post_forward(unit))
-        for p, rg in zip(unit.full_params, _requires_grad(unit)):
-            if rg:
-                p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
+        trainable = [p for p in unit.full_params if p.requires_grad]
+        for j, p in enumerate(trainable):
+            p.register_post_accumulate_grad_hook(self._make_grad_ready(unit, j))
 
     # --- forward
     def _make_pre_forward(self, unit: Unit):
@@ -199,6 +219,7 @@ class Runtime:
             if torch.is_grad_enabled():
                 flat = _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
+                    self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                     marked = iter(_PostBackward.apply(weakref.ref(self), weakref.ref(unit), *flat))
                     return _replace_tensors((args, kwargs), marked)
             return args, kwargs
@@ -274,7 +295,7 @@ class Runtime:
         self._prefetch(self.next_backward.get(unit))
         self._note_unsharded()
 
-    def _make_grad_ready(self, unit: Unit):
+    def _make_grad_ready(self, unit: Unit, j: int):
         runtime_ref, unit_ref = weakref.ref(self), weakref.ref(unit)  # Note [weak references from C++]
 
         def hook(param):
@@ -283,44 +304,59 @@ class Runtime:
                 Variable._execution_engine.queue_callback(rt._final_callback)
                 rt.callback_queued = True
             u.grads_ready += 1
-            if rt.sync_grads and u.grads_ready == u.num_trainable:
-                # with every parameter trained, every node that reads them has run
-                rt.reduce(u, backward_done=u.num_trainable == len(u.full_params))
+            u.used[j] = True
+            if rt.sync_grads and isinstance(u, ReplicatedUnit):
+                rt._reduce_in_order(ready_only=True)
 
         return hook
 
-    def reduce(self, unit: Unit, *, backward_done: bool = False) -> None:
-        """Issue ``unit``'s gradient reduction. The sharded unit reduced before it is finished
-        first, a whole unit's backward after its issue: its scratch rows go before this one's
-        are allocated, rather than every unit's staying to the end of backward. Once nothing
-        in backward reads the unit's full parameters any more (``backward_done``), they are
-        freed before its rows are allocated, not after."""
-        if isinstance(unit, ShardedUnit):
-            if self.reducing is not None and self.reducing is not unit:
-                self.reducing.finish_reduce()
-            self.reducing = unit
-            if backward_done and not unit.is_root:
-                unit.reshard()
+    def _reduce_in_order(self, *, ready_only: bool) -> None:
+        """Issue replicated units' reductions in ``reduce_order`` (Note [when a unit reduces])."""
+        while self.next_in_order < len(self.reduce_order):
+            u = self.reduce_order[self.next_in_order]
+            if ready_only and u.grads_ready < u.num_trainable:
+                return
+            u.reduce_grads()
+            self.next_in_order += 1
+
+    def reduce(self, unit: ShardedUnit) -> None:
+        """Issue a sharded unit's gradient reduction once its backward is over. The unit
+        reduced before it is finished first: its scratch rows go before this one's are
+        allocated, rather than every unit's staying to the end of backward; and the unit's
+        full parameters are freed before its rows are allocated, not after."""
+        if self.reducing is not None and self.reducing is not unit:
+            self.reducing.finish_reduce()
+        self.reducing = unit
+        if not unit.is_root:
+            unit.reshard()
         unit.reduce_grads()
 
     def post_backward(self, unit: Unit) -> None:
-        """The unit's backward is complete: its full parameters are no longer needed."""
+        """The backward of one forward call of the unit is complete."""
         if events.listeners:
             events.emit("backward", unit.label, edge="end")
-        if self.sync_grads and not unit.reduce_issued and unit.grads_ready == unit.num_trainable:
-            self.reduce(unit, backward_done=True)
+        left = self.pending_backwards.get(unit, 1) - 1
+        self.pending_backwards[unit] = left
+        if left == 0 and self.sync_grads and isinstance(unit, ShardedUnit) and not unit.reduce_issued:
+            self.reduce(unit)
         if not unit.is_root:
             unit.reshard()
 
     def _final_callback(self) -> None:
         ran = set(self.forward_order) | set(self.backward_order)
+        self.ran_since_sync |= ran
         if self.sync_grads:
-            for u in self.units:  # parameters that got no gradient this step reduce as zeros
-                if not u.reduce_issued and (u in ran or u.grads_ready):
-                    self.reduce(u, backward_done=True)
+            self._reduce_in_order(ready_only=False)
+            for u in self.units:  # a unit that ran reduces, whichever of its parameters got gradients
+                if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
+                    self.reduce(u)
             for u in self.units:
                 u.finish_reduce()
+            self._keep_used()
+            self.ran_since_sync = set()
         self.reducing = None
+        self.next_in_order = 0
+        self.pending_backwards = {}
         for u in self.units:
             u.grads_ready = 0
             u.reduce_issued = False
@@ -330,6 +366,23 @@ class Runtime:
         if events.listeners:
             events.emit("step_end", "")
         self._check_all_ran(ran)
+
+    def _keep_used(self) -> None:
+        """Agree with the other ranks on which parameters got a gradient anywhere (one small
+        collective a step, which also compares the ranks' collectives: collectives.step_check);
+        the others keep the ``.grad`` they had, as in one process."""
+        trained = [u for u in self.units if u.num_trainable]
+        flags = [f for u in trained for f in u.used]
+        if self.host_group is not None:
+            if self.check_buffer is None:
+                self.check_buffer = torch.empty(len(flags) + 2, dtype=torch.int64)
+            anywhere = C.step_check(flags, self.host_group, self.check_buffer)
+        else:
+            anywhere = flags
+        start = 0
+        for u in trained:
+            u.keep_used(anywhere[start : start + u.num_trainable])
+            start += u.num_trainable
 
     def settle(self) -> None:
         """End the step: every unit sharded, modules holding their shards again."""
@@ -376,8 +429,11 @@ def _cast_floats(obj, dtype: torch.dtype):
     return _replace_tensors(obj, iter(t.to(dtype) if t.is_floating_point() else t for t in tensors))
 
 
-def _requires_grad(unit: Unit) -> list[bool]:
-    return [p.requires_grad for p in unit.full_params]
+def _reverse_module_order(root: nn.Module, units: list[Unit]) -> list[Unit]:
+    """``units`` in reverse order of their modules in ``root`` (children before parents):
+    roughly the order their gradients complete in backward."""
+    position = {m: i for i, m in enumerate(root.modules())}
+    return sorted((u for u in units if u.num_trainable), key=lambda u: -position[u.module])
 
 
 def _successors(order: list[Unit]) -> dict[Unit, Unit]:

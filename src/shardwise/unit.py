@@ -100,8 +100,28 @@ class Unit:
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.label = name or "<root>"
+        self.channel = C.channel()  # Note [tagged Gloo messages] in collectives.py
         self.grads_ready = 0  # trainable parameters whose gradient is complete this backward
         self.reduce_issued = False
+        # per trainable parameter: got a gradient on this rank since the last reduction
+        # (no_sync micro-batches included); set by the runtime's gradient hooks
+        self.used: list[bool] = []
+        # per trainable parameter: its .grad was None before this reduction landed
+        self._fresh: list[bool] = []
+
+    def keep_used(self, anywhere: list[bool]) -> None:
+        """After the reduction: a trainable parameter that got a gradient on no rank keeps the
+        ``.grad`` it had before (None, or a kept gradient the reduction added zeros to), as in
+        one process, so the optimizer skips it. ``anywhere`` is the ranks' agreement."""
+        for p, fresh, used in zip(self._grad_holders(), self._fresh, anywhere):
+            if fresh and not used:
+                p.grad = None
+        self._fresh = []
+        self.used = [False] * len(self.used)
+
+    def _grad_holders(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps that get this unit's reduced gradients."""
+        raise NotImplementedError
 
     @property
     def is_root(self) -> bool:
@@ -136,6 +156,7 @@ class ShardedUnit(Unit):
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
         self.num_trainable = sum(requires_grad)
+        self.used = [False] * self.num_trainable
         self.flat_shard = flat_shard  # the master copy; host memory when offloaded
         self.device = device
         self.compute_dtype = precision.compute_dtype(flat_shard.dtype)
@@ -212,7 +233,7 @@ class ShardedUnit(Unit):
                 if self._direct
                 else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
             )
-            self._gather = C.all_gather(self._send, self.group, self.label)
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
         self.state = UnitState.GATHERING
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
@@ -230,7 +251,7 @@ class ShardedUnit(Unit):
                 self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True, copy=True)
             s.gather.wait_stream(s.copy_in)
         with s.use(s.gather):
-            self._gather = C.all_gather(self._send, self.group, self.label)
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
             self._gather.wait()  # the gather stream waits for it, not the CPU
             return s.gather.record_event()
 
@@ -293,7 +314,7 @@ class ShardedUnit(Unit):
         if self.streams is not None:
             self._reduce_on_stream(self.streams, buf)
         else:
-            self._reduce = C.reduce_scatter(buf, self.group, self.label) if self.world > 1 else None
+            self._reduce = C.reduce_scatter(buf, self.group, self.label, self.channel) if self.world > 1 else None
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
@@ -301,8 +322,9 @@ class ShardedUnit(Unit):
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters
         (in the shards' dtype, in host memory when offloaded)."""
-        shards = [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+        shards = self._grad_holders()
         if self._local_grads is not None:
+            self._fresh = [p.grad is None for p in shards]
             for p, g in zip(shards, self._local_grads):
                 g = g.view(p.shape)
                 if p.grad is None:
@@ -315,6 +337,7 @@ class ShardedUnit(Unit):
             return
         out = self._reduced_shard()
         views = self.grad_layout.shard_views(out, self.rank)
+        self._fresh = [p.grad is None for p in shards]
         for p, g in zip(shards, views):
             if p.grad is None:
                 p.grad = g
@@ -324,13 +347,17 @@ class ShardedUnit(Unit):
         if events.listeners:
             events.emit("reduce_done", self.label)
 
+    def _grad_holders(self) -> list[nn.Parameter]:
+        return [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+
     def _reduce_on_stream(self, s: Streams, buf: C.ScatterRows) -> None:
         """Reduce-scatter, average and bring the result to the master's dtype and memory on
         the reduce stream, after the packing on compute (Note [stream ordering])."""
         s.reduce.wait_stream(s.compute())
         with s.use(s.reduce):
             if self.world > 1:
-                C.reduce_scatter(buf, self.group, self.label).wait()  # the stream waits, not the CPU
+                # the stream waits for it, not the CPU
+                C.reduce_scatter(buf, self.group, self.label, self.channel).wait()
             self._reduce_out = self._to_master(buf.out)
             self._reduced = s.reduce.record_event()
         self._reduce_rows = buf  # compute allocated them: held until it waits (rule 3)
@@ -362,7 +389,7 @@ class ShardedUnit(Unit):
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, as fresh tensors (one blocking all-gather)."""
-        gather = C.all_gather(self.flat_shard.to(self.device), self.group, self.label)
+        gather = C.all_gather(self.flat_shard.to(self.device), self.group, self.label, self.channel)
         gather.wait()
         full = torch.empty(self.layout.unsharded_numel, dtype=self.flat_shard.dtype, device=self.device)
         self.layout.unpack(gather.result, full)
@@ -411,6 +438,7 @@ class ReplicatedUnit(Unit):
             self.state = UnitState.UNSHARDED
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.num_trainable = len(self.trainable)
+        self.used = [False] * self.num_trainable
         # no cast either way: one bucket for the unit's life, like DDP's, and the parameters'
         # gradients become its views (DDP's gradient_as_bucket_view): no fresh bucket memory
         # each step, nothing copied back after the all-reduce, kept gradients reduced in place
@@ -450,6 +478,7 @@ class ReplicatedUnit(Unit):
             return
         compute = [self.full_params[i] for i in self.trainable]
         if self._flat_grad is not None:
+            self._fresh = [c.grad is None for c in compute]
             for c, view in zip(compute, self._grad_views):
                 if c.grad is None:
                     view.zero_()
@@ -465,7 +494,7 @@ class ReplicatedUnit(Unit):
                 for c in compute:
                     c.grad = None
         if self.world > 1:
-            self._reduce = C.all_reduce(self._bucket, self.group, self.label)
+            self._reduce = C.all_reduce(self._bucket, self.group, self.label)  # see Runtime.reduce
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self._bucket.numel() * self._bucket.element_size())
@@ -482,8 +511,9 @@ class ReplicatedUnit(Unit):
             if events.listeners:
                 events.emit("reduce_done", self.label)
             return
-        params = [self.params[i] for i in self.trainable]
+        params = self._grad_holders()
         pieces = self._bucket.split([p.numel() for p in params])
+        self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
             b = b.view_as(p).to(p.dtype)
             if p.grad is None:
@@ -495,6 +525,9 @@ class ReplicatedUnit(Unit):
         self._reduce = self._bucket = None
         if events.listeners:
             events.emit("reduce_done", self.label)
+
+    def _grad_holders(self) -> list[nn.Parameter]:
+        return [self.params[i] for i in self.trainable]
 
     def gather_full(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]

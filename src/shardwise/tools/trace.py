@@ -538,6 +538,7 @@ def _unit_info(u: Unit) -> dict:
             "kind": "sharded",
             "dtype": _dtype(u.flat_shard.dtype),
             "params": u.layout.numel,
+            "trained": u.num_trainable,
             "shard_bytes": u.flat_shard.numel() * u.flat_shard.element_size(),
             "gathered_bytes": u.layout.unsharded_numel * item,
         }
@@ -547,6 +548,7 @@ def _unit_info(u: Unit) -> dict:
         "kind": "replicated",
         "dtype": _dtype(u.params[0].dtype) if u.params else "float32",
         "params": numel,
+        "trained": u.num_trainable,
         "shard_bytes": sum(p.numel() * p.element_size() for p in u.params),
         "gathered_bytes": numel * u.compute_dtype.itemsize if u.casts else 0,
     }
