@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import collectives as C
-from . import groups
+from . import groups, streams
 from .build import (
     assign_params,
     broadcast_from_rank0,
@@ -137,7 +137,7 @@ def shard(
             if precision.buffer_dtype is not None and b.is_floating_point():
                 b.data = b.data.to(precision.buffer_dtype)
 
-    copy_stream = torch.cuda.Stream() if pin else None
+    side_streams = streams.for_device(device)
     units: list[Unit] = []
     for plan, lay, flat in zip(plans, layouts, flats):
         rg = [p.requires_grad for p in plan.params]
@@ -145,7 +145,7 @@ def shard(
             units.append(
                 ShardedUnit(
                     plan.module, plan.name, plan.registrations, group, lay, flat, rg,
-                    device=device, precision=precision, offload=cpu_offload, copy_stream=copy_stream,
+                    device=device, precision=precision, offload=cpu_offload, streams=side_streams,
                     replicate=layout_mesh.replicate,
                 )
             )

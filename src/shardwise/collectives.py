@@ -175,11 +175,12 @@ def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor | None], group
 
 def all_gather(shard: torch.Tensor, group, label: str, channel: int) -> Pending:
     """Gather every rank's equal-sized ``shard``, asynchronously; after ``wait()``,
-    ``result[r]`` is rank r's shard (``result[rank]`` is ``shard``: read it, don't write it).
+    ``result[r]`` is rank r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it,
+    don't write it).
 
     Gloo: this rank's shard goes from where it lies to every other rank, and theirs into N-1
     receive rows (Note [Gloo gather and reduce-scatter]). Otherwise one all-gather into a
-    rank-major buffer.
+    rank-major tensor, handed out whole so that the copy-out is one kernel.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = world * shard.numel() * shard.element_size()
@@ -193,8 +194,8 @@ def all_gather(shard: torch.Tensor, group, label: str, channel: int) -> Pending:
             rows = list(mine.new_empty(world - 1, mine.numel()).unbind(0))
             rows.insert(rank, mine)
             return _exchange([mine] * world, rows, group, _tag(channel, 0)), None, rows
-        out = mine.new_empty(world, mine.numel())
-        return [_all_gather_tensor(out, mine, group=group, async_op=True)], None, list(out.unbind(0))
+        out = mine.new_empty(world, mine.numel())  # one rank-major tensor: its rows index by rank
+        return [_all_gather_tensor(out, mine, group=group, async_op=True)], None, out
 
     return _issue("all_gather", label, nbytes, shard, start)
 

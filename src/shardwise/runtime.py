@@ -16,6 +16,8 @@ leaves ``.grad`` on the shards.
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
 from enum import Enum, auto
 
@@ -73,6 +75,38 @@ def _replace_tensors(obj, it):
 # So all of them reach the runtime and the unit through weak references.
 
 
+# Note [compile]: a unit's hooks gather and free its parameters, swap them in its modules
+# and issue collectives; none of that belongs in a compiled graph. So every hook runs
+# eagerly, outside dynamo (as FSDP2's do): compiling a wrapped block compiles its forward
+# alone, called between its pre- and post-forward hooks, when the module already holds the
+# full parameters, which are the same tensors every step (no recompilation). Compiling the
+# whole model leaves each unit's hooks as graph breaks between compiled regions.
+_DISABLE_REASON = (
+    "shardwise's hooks gather and free a unit's parameters outside compiled graphs: compile "
+    "each wrapped block (block.compile()), or the whole model without fullgraph=True"
+)
+_DISABLE_KW = {"reason": _DISABLE_REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
+
+
+def _outside_graphs(fn):
+    """``fn`` always runs eagerly, never traced into a torch.compile graph (Note [compile])."""
+    return torch.compiler.disable(fn, recursive=True, **_DISABLE_KW)
+
+
+def _check_not_compiled_autograd() -> None:
+    """Compiled autograd would trace the backward hooks that gather parameters and issue
+    collectives into its graph (Note [compile]): refuse it up front."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    config = sys.modules.get("torch._dynamo.config")
+    if getattr(config, "compiled_autograd", False) or getattr(ca, "compiled_autograd_enabled", False):
+        raise ShardwiseError(
+            "compiled autograd is on (torch._dynamo.config.compiled_autograd), but shardwise's "
+            "backward hooks gather parameters and reduce gradients outside compiled graphs. "
+            "Turn compiled autograd off; torch.compile of the blocks or the model still "
+            "compiles their backward (AOTAutograd)."
+        )
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's own backward is done."""
 
@@ -92,6 +126,7 @@ class _PostBackward(torch.autograd.Function):
 def _pre_backward_hook(runtime_ref: weakref.ref, unit_ref: weakref.ref):
     """The hook on a unit's outputs that starts its backward (Note [weak references from C++])."""
 
+    @_outside_graphs
     def hook(_grad) -> None:
         runtime, unit = runtime_ref(), unit_ref()
         if runtime is not None and unit is not None:
@@ -163,11 +198,14 @@ class Runtime:
 
     # --- forward
     def _make_pre_forward(self, unit: Unit):
+        @_outside_graphs
         def hook(module, args, kwargs):
             if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing)
                 unit.wait_unshard()
                 return None
             if unit.is_root:
+                if torch.is_grad_enabled():
+                    _check_not_compiled_autograd()
                 self.phase = Phase.FORWARD
                 self.forward_order = []
                 self._expose_shards(False)
@@ -194,6 +232,7 @@ class Runtime:
         return hook
 
     def _make_post_forward(self, unit: Unit):
+        @_outside_graphs
         def hook(module, args, output):
             if self.phase is Phase.BACKWARD:
                 return None

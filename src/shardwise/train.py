@@ -50,6 +50,7 @@ class TrainConfig:
     mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 uses shardwise.GradScaler)
     cpu_offload: bool = False  # shards, gradients and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each transformer block after shard() (inductor)
     save_every: int = 0  # optimizer steps between checkpoints (0: none)
     checkpoint_dir: str = "checkpoints"  # where checkpoints are written and --resume looks
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=defaults.mixed_precision)
     p.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (after shard)")
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (0: none)")
     p.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir, help="where checkpoints go and --resume looks")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint, if any")
@@ -127,6 +129,10 @@ def worker(cfg: TrainConfig) -> dict:
     )
     if cfg.activation_checkpointing:
         checkpoint_activations(model, by_class(Block))
+    if cfg.compile:  # after shard(): the hooks stay outside the compiled graphs
+        for m in model.modules():
+            if isinstance(m, Block):
+                m.compile()
     scaler = GradScaler(model) if cfg.mixed_precision == "fp16" else None
     # offloaded shards step on the CPU: the fused CPU kernel of AdamW does it in one pass
     opt = torch.optim.AdamW(
@@ -356,7 +362,8 @@ def render_summary(s: dict) -> str:
     cfg = s["config"]
     lines.append(
         f"  mixed precision {cfg['mixed_precision']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
-        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}"
+        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}, "
+        f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )
     lines += [
         "",

@@ -28,6 +28,7 @@ from . import events
 from .errors import ShardwiseError
 from .layout import Layout
 from .policies import MixedPrecision
+from .streams import Streams
 
 
 class UnitState(Enum):
@@ -148,7 +149,7 @@ class ShardedUnit(Unit):
         device: torch.device,
         precision: MixedPrecision,
         offload: bool = False,
-        copy_stream=None,
+        streams: Streams | None = None,
         replicate=None,
     ):
         super().__init__(module, name, registrations, group)
@@ -169,7 +170,7 @@ class ShardedUnit(Unit):
         # the gather reads the flat shard directly unless it must first move or change dtype
         # (offloaded: always a copy, even where host and device are the same memory)
         self._direct = not offload and self.compute_dtype == flat_shard.dtype
-        self._copy_stream = copy_stream  # CUDA side stream for host-to-device copies
+        self.streams = streams  # CUDA side streams; None on CPU (Note [stream ordering])
         self.shard_params = [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.shard_views(flat_shard, self.rank), requires_grad)
@@ -196,9 +197,12 @@ class ShardedUnit(Unit):
         self.state = UnitState.SHARDED
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
+        self._gathered = None  # CUDA: the event after the gather, on the gather stream
         self._reduce: C.Pending | None = None
         self._replica: C.Pending | None = None
         self._reduce_out: torch.Tensor | None = None
+        self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
+        self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
         self._local_grads: list[torch.Tensor] | None = None
         self._swap(self.shard_params)
 
@@ -227,11 +231,8 @@ class ShardedUnit(Unit):
             return
         # the gather receives into rows of its own; the full buffer is allocated only at the
         # wait, for the copy-out
-        if self._copy_stream is not None:  # offload on CUDA: copy and gather off the compute stream
-            self._copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._copy_stream):
-                self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
-                self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
+        if self.streams is not None:
+            self._gathered = self._gather_on_streams(self.streams)
         else:
             self._send = (
                 self.flat_shard
@@ -243,21 +244,36 @@ class ShardedUnit(Unit):
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
 
+    def _gather_on_streams(self, s: Streams):
+        """Cast (or copy from pinned host memory) on the copy-in stream, gather on the gather
+        stream; return the event compute waits on before the copy-out (Note [stream ordering])."""
+        compute = s.compute()
+        if self._direct:
+            s.gather.wait_stream(compute)
+            self._send = self.flat_shard
+        else:
+            s.copy_in.wait_stream(compute)
+            with s.use(s.copy_in):
+                self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True, copy=True)
+            s.gather.wait_stream(s.copy_in)
+        with s.use(s.gather):
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
+            self._gather.wait()  # the gather stream waits for it, not the CPU
+            return s.gather.record_event()
+
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
         if self.state is UnitState.SHARDED:
             self.unshard()
         if self.state is UnitState.GATHERING:
             if self._gather is not None:
-                self._gather.wait()
-                rows = self._gather.result
-                if self._copy_stream is not None:
-                    torch.cuda.current_stream().wait_stream(self._copy_stream)
-                    for row in rows:
-                        row.record_stream(torch.cuda.current_stream())
+                if self._gathered is not None:
+                    self.streams.compute().wait_event(self._gathered)
+                else:
+                    self._gather.wait()
                 self._allocate_full()
-                self.layout.unpack(rows, self._flat_full_data)
-            self._send = self._gather = None
+                self.layout.unpack(self._gather.result, self._flat_full_data)
+            self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
             if events.listeners:
@@ -301,8 +317,11 @@ class ShardedUnit(Unit):
             for row in buf.rows:
                 row.div_(self.world * self.replicas)
         self._reduce_out = buf.out
-        self._reduce = C.reduce_scatter(buf, self.group, self.label, self.channel) if self.world > 1 else None
         self._replica = None
+        if self.streams is not None:
+            self._reduce_on_stream(self.streams, buf)
+        else:
+            self._reduce = C.reduce_scatter(buf, self.group, self.label, self.channel) if self.world > 1 else None
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
@@ -313,7 +332,7 @@ class ShardedUnit(Unit):
         if self._reduce is not None:
             self._reduce.wait()
             self._reduce = None
-        if self.replicate is not None and self._reduce_out is not None and self._replica is None:
+        if self.streams is None and self.replicate is not None and self._reduce_out is not None and self._replica is None:
             self._replica = C.all_reduce(self._reduce_out, self.replicate, self.label, kind="replica_all_reduce")
 
     def finish_reduce(self) -> None:
@@ -332,16 +351,7 @@ class ShardedUnit(Unit):
             return
         if self._reduce_out is None:
             return
-        self.advance_reduce()
-        if self._replica is not None:
-            self._replica.wait()
-        out = self._reduce_out
-        if not self._predivided:
-            out.div_(self.world * self.replicas)
-        master = self.flat_shard
-        if self.offloaded or out.dtype != master.dtype or out.device != master.device:
-            host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
-            out = host.copy_(out, non_blocking=master.is_pinned())
+        out = self._reduced_shard()
         views = self.grad_layout.shard_views(out, self.rank)
         self._fresh = [p.grad is None for p in shards]
         for p, g in zip(shards, views):
@@ -355,6 +365,45 @@ class ShardedUnit(Unit):
 
     def _grad_holders(self) -> list[nn.Parameter]:
         return [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+
+    def _reduce_on_stream(self, s: Streams, buf: C.ScatterRows) -> None:
+        """Reduce-scatter, average and bring the result to the master's dtype and memory on
+        the reduce stream, after the packing on compute (Note [stream ordering])."""
+        s.reduce.wait_stream(s.compute())
+        with s.use(s.reduce):
+            if self.world > 1:
+                # the stream waits for it, not the CPU
+                C.reduce_scatter(buf, self.group, self.label, self.channel).wait()
+            if self.replicate is not None:
+                C.all_reduce(buf.out, self.replicate, self.label, kind="replica_all_reduce").wait()
+            self._reduce_out = self._to_master(buf.out)
+            self._reduced = s.reduce.record_event()
+        self._reduce_rows = buf  # compute allocated them: held until it waits (rule 3)
+
+    def _reduced_shard(self) -> torch.Tensor:
+        """This rank's averaged gradient shard in the master's dtype and memory, once its
+        reduction is complete (compute waits for it; the CPU too when it is in host memory)."""
+        if self._reduced is None:  # CPU: the collectives are waited for here
+            self.advance_reduce()
+            if self._replica is not None:
+                self._replica.wait()
+            return self._to_master(self._reduce_out)
+        self.streams.compute().wait_event(self._reduced)
+        if self._reduce_out.device.type == "cpu":  # offloaded: the CPU optimizer reads it next
+            self._reduced.synchronize()
+        self._reduced = self._reduce_rows = None
+        return self._reduce_out
+
+    def _to_master(self, out: torch.Tensor) -> torch.Tensor:
+        """The summed shard ``out`` averaged (unless divided before the sum), in the master
+        copy's dtype and memory (pinned host memory when offloaded: copied without blocking)."""
+        if not self._predivided and self.world * self.replicas > 1:
+            out.div_(self.world * self.replicas)
+        master = self.flat_shard
+        if self.offloaded or out.dtype != master.dtype or out.device != master.device:
+            host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
+            out = host.copy_(out, non_blocking=master.is_pinned())
+        return out
 
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:

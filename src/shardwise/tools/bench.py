@@ -75,6 +75,7 @@ class BenchConfig:
     warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
     systems: tuple[str, ...] = SYSTEMS  # which systems to run (comma-separated on the CLI)
     mixed_precision: str = "none"  # none | bf16 (autocast for DDP and the floor)
+    compile: bool = False  # torch.compile every block of every system alike (inductor)
     seed: int = 0  # model initialisation and data
     threads: int = 1  # intra-op threads per rank (OMP_NUM_THREADS)
     out: str = "bench-out"  # directory for bench.json, bench.md and bench.png
@@ -111,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="comma-separated subset of: " + ", ".join(SYSTEMS),
     )
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile each block of every system alike"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -238,6 +242,8 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    if cfg.compile:
+        _compile_blocks(model, work.block)
     if bf16 and kind in ("ddp", "floor"):
 
         def autocast():
@@ -245,6 +251,15 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt, autocast
+
+
+def _compile_blocks(model: nn.Module, block: type[nn.Module]) -> None:
+    """Compile each block of a freshly built system (its first warm-up step compiles), from
+    an empty dynamo cache: no system reuses another's graphs or meets the recompile limit."""
+    torch._dynamo.reset()
+    for m in model.modules():
+        if isinstance(m, block):
+            m.compile()
 
 
 def train_step(model, opt, autocast, work: Workload, x, y) -> torch.Tensor:
@@ -678,7 +693,9 @@ def render_markdown(summary: dict) -> str:
         f"{summary['machine']}; {summary['world_size']} ranks, {c['threads']} thread(s) each; "
         f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
         + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")
-        + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}; "
+        + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}"
+        + (", every block compiled (torch.compile)" if c.get("compile") else "")
+        + "; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",
         "",
