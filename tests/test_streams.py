@@ -67,9 +67,10 @@ class _Device:
 
 
 def train(strategy, mp, offload, on_streams, steps=2):
+    hybrid = {"shard_size": 2} if strategy.startswith("hybrid") else {}
     model = shardwise.shard(
         make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy,
-        mixed_precision=mp, cpu_offload=offload,
+        mixed_precision=mp, cpu_offload=offload, **hybrid,
     )
     units = {u.label: u for u in shardwise.units(model)}
     device = _Device()
@@ -110,7 +111,7 @@ def _check_rules(log, held, offload):
     recorded = {}  # event id -> (stream, unit of the collective before it)
     last_collective = {}  # stream -> unit label
     fresh = {s: False for s in side}  # a side stream waited for compute since its last work
-    counts = {"all_gather": 0, "reduce_scatter": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
     for i, entry in enumerate(log):
         kind = entry[0]
         if kind == "wait_stream":
@@ -119,6 +120,10 @@ def _check_rules(log, held, offload):
                 fresh[stream] = True  # rule 1
             elif other in side:  # through copy_in, which waited for compute
                 fresh[stream], fresh[other] = fresh[other], False
+        elif kind == "event" and entry[1] == "collective" and entry[3] == "replica_all_reduce":
+            _, _, unit, what, current = entry  # hybrid: after the reduce-scatter, on its stream
+            assert current == "reduce" and last_collective.get("reduce") == unit, entry
+            counts[what] += 1
         elif kind == "event" and entry[1] == "collective" and entry[3] in counts:
             _, _, unit, what, current = entry
             want = "gather" if what == "all_gather" else "reduce"
@@ -156,12 +161,17 @@ def _check_rules(log, held, offload):
     return counts
 
 
-CONFIGS = [("full_shard", None, False), ("shard_grad_op", "bf16", False), ("full_shard", None, True)]
+CONFIGS = [
+    ("full_shard", None, False),
+    ("shard_grad_op", "bf16", False),
+    ("full_shard", None, True),
+    ("hybrid_shard", None, False),  # at 2x2
+]
 
 
 @pytest.mark.parametrize("strategy,mp,offload", CONFIGS)
 def test_stream_branch_keeps_the_ordering_rules_and_matches(pools, strategy, mp, offload):
-    pool = pools(2)
+    pool = pools(4 if strategy.startswith("hybrid") else 2)
     cpu = pool.run(train, strategy, mp, offload, False)
     gpu = pool.run(train, strategy, mp, offload, True)
     for (losses, full, _, _), (s_losses, s_full, log, held) in zip(cpu, gpu):
@@ -170,6 +180,7 @@ def test_stream_branch_keeps_the_ordering_rules_and_matches(pools, strategy, mp,
             assert torch.equal(v, s_full[k]), k
         counts = _check_rules(log, held, offload)
         assert counts["all_gather"] >= 8 and counts["reduce_scatter"] >= 8  # 4 units, 2 steps
+        assert counts["replica_all_reduce"] == (8 if strategy.startswith("hybrid") else 0)
         assert not any(e[0] == "wait_event" for e in cpu[0][2])  # the CPU branch uses none
 
 
