@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nets import train_pair  # noqa: E402
+from nets import train_pair
 
-import shardwise  # noqa: E402
-from shardwise import groups  # noqa: E402
+import shardwise
+from shardwise import groups
 
 
 def main(out: str) -> None:

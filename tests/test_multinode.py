@@ -25,7 +25,9 @@ from shardwise import train
 
 TESTS = Path(__file__).resolve().parent
 # agents find shardwise where this process did (an installed copy, or this checkout's src/)
-PYTHONPATH = os.pathsep.join([str(Path(shardwise.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+PYTHONPATH = os.pathsep.join(
+    [str(Path(shardwise.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+)
 
 
 def free_port() -> int:
@@ -34,8 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent(logs: Path, node: str, port: int, run_id: str, nnodes: str, host: bool, args: list[str],
-          *, rdzv_conf: str = "", restarts: int = 0) -> subprocess.Popen:
+def agent(
+    logs: Path,
+    node: str,
+    port: int,
+    run_id: str,
+    nnodes: str,
+    host: bool,
+    args: list[str],
+    *,
+    rdzv_conf: str = "",
+    restarts: int = 0,
+) -> subprocess.Popen:
     """One torchrun agent (a "node" of 2 ranks); its output goes to ``logs/<node>.out|err``.
     ``host``: it serves the rendezvous store (the other agent connects to it). Each round of
     ranks gets a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): an agent that stays
@@ -43,16 +55,38 @@ def agent(logs: Path, node: str, port: int, run_id: str, nnodes: str, host: bool
     still name the dead ranks' addresses (pytorch/pytorch#135712)."""
     conf = f"is_host={int(host)}" + (f",{rdzv_conf}" if rdzv_conf else "")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc_per_node", "2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
-        "--rdzv_conf", conf, "--max-restarts", str(restarts), "--monitor-interval", "0.2", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc_per_node",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        run_id,
+        "--rdzv_conf",
+        conf,
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.2",
+        *args,
     ]
     env = dict(
-        os.environ, OMP_NUM_THREADS="1", TEST_NODE=node, PYTHONPATH=PYTHONPATH, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TEST_NODE=node,
+        PYTHONPATH=PYTHONPATH,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
-    out, err = (open(logs / f"{node}.{kind}", "w") for kind in ("out", "err"))
-    with out, err:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+    with open(logs / f"{node}.out", "w") as out, open(logs / f"{node}.err", "w") as err:
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True
+        )
 
 
 def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float) -> dict[str, int]:
@@ -103,11 +137,17 @@ def test_two_agents_train_hybrid_with_the_node_as_shard_group(tmp_path):
         node: agent(tmp_path, node, port, run_id, "2", node == "a", job) for node in ("a", "b")
     }
     codes = finish(procs, tmp_path, timeout=150)
-    assert codes == {"a": 0, "b": 0}, (codes, log(tmp_path, "a", "err")[-3000:], log(tmp_path, "b", "err")[-3000:])
+    assert codes == {"a": 0, "b": 0}, (
+        codes,
+        log(tmp_path, "a", "err")[-3000:],
+        log(tmp_path, "b", "err")[-3000:],
+    )
     found = json.loads(out.read_text())
     layout = found["layout"]
     for r in layout:  # each shard group is one node's ranks; each replicate group spans both
-        assert r["shard_group"] == sorted(x["rank"] for x in layout if x["node"] == r["node"]), layout
+        assert r["shard_group"] == sorted(x["rank"] for x in layout if x["node"] == r["node"]), (
+            layout
+        )
         assert {layout[x]["node"] for x in r["replicate_group"]} == {"a", "b"}, layout
     losses, ref_losses, diff, moved = found["result"]
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -117,8 +157,23 @@ def test_two_agents_train_hybrid_with_the_node_as_shard_group(tmp_path):
 
 # --- a lost node: the job restarts on the other and resumes from its last checkpoint
 STEPS, SAVE_EVERY = 40, 10
-TRAIN = ["--model-size", "tiny", "--seq-len", "32", "--strategy", "hybrid_shard", "--global-batch-size", "8",
-         "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--log-every", "10", "--resume"]
+TRAIN = [
+    "--model-size",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--strategy",
+    "hybrid_shard",
+    "--global-batch-size",
+    "8",
+    "--steps",
+    str(STEPS),
+    "--save-every",
+    str(SAVE_EVERY),
+    "--log-every",
+    "10",
+    "--resume",
+]
 
 
 def test_lost_node_restarts_on_the_other_and_resumes(pools, tmp_path):
@@ -129,7 +184,9 @@ def test_lost_node_restarts_on_the_other_and_resumes(pools, tmp_path):
     conf = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
     # a first: it serves the rendezvous store, which so outlives node b
     procs = {
-        node: agent(tmp_path, node, port, run_id, "1:2", node == "a", args, rdzv_conf=conf, restarts=1)
+        node: agent(
+            tmp_path, node, port, run_id, "1:2", node == "a", args, rdzv_conf=conf, restarts=1
+        )
         for node in ("a", "b")
     }
     deadline = time.monotonic() + 120

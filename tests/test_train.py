@@ -50,7 +50,7 @@ def test_train_hybrid_shard_reports_both_links():
         [sys.executable, "-m", "shardwise", "train", "--model-size", "tiny", "--steps", "6",
          "--nproc", "4", "--seq-len", "32", "--log-every", "3", "--strategy", "hybrid_shard",
          "--shard-size", "2"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
