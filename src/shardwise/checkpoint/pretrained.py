@@ -58,14 +58,14 @@ def save_pretrained(
 ) -> Path:
     """Write a sharded transformers model as a directory that ``from_pretrained`` loads.
 
-    Collective: every rank of rank 0's shard group (with hybrid sharding; else every rank)
-    gathers one unit at a time and rank 0 writes, so rank 0's extra memory is about the
-    largest unit. The directory holds the weights under the model's
-    state-dict names (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files
-    of at most ``max_shard_bytes`` and ``model.safetensors.index.json``), a tied weight once,
-    frozen parameters and persistent buffers included, in the parameters' dtype or in
-    ``dtype`` (floating-point tensors only); and ``config.json`` (its dtype set to the one
-    stored) and ``generation_config.json`` when the model generates.
+    Collective: every rank (with hybrid sharding, every rank of rank 0's shard group) gathers
+    one unit at a time and rank 0 writes, so rank 0's extra memory is about the largest unit.
+    The directory holds the weights under the model's state-dict names (``model.safetensors``,
+    or ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_bytes`` and
+    ``model.safetensors.index.json``), a tied weight once, frozen parameters and persistent
+    buffers included, in the parameters' dtype or in ``dtype`` (floating-point tensors only);
+    and ``config.json`` (its dtype set to the one stored) and ``generation_config.json`` when
+    the model generates.
 
     A peft model gets peft's adapter layout beside its base model: ``adapter_config.json``
     and ``adapter_model.safetensors`` (loadable with ``PeftModel.from_pretrained(base,

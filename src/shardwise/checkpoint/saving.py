@@ -138,9 +138,9 @@ def save(
     optimizer state tensor (rank 0 also the buffers) into one safetensors file, under the
     parameters' original names, plus its RNG states; rank 0 writes the index and commits.
     With hybrid sharding the ranks of rank 0's shard group write the rows, once; the other
-    replicas' files hold only their RNG states. The
-    directory appears under ``path`` only once complete (an existing one is replaced), so a
-    crash at any moment leaves the previous checkpoints loadable. ``step`` and ``extra`` (any
+    replicas' files hold only their RNG states. The directory appears under ``path`` only once
+    complete (an existing one is replaced), so a crash at any moment leaves the previous
+    checkpoints loadable. ``step`` and ``extra`` (any
     JSON value, e.g. a data position; rank 0's is kept) come back from ``load()``.
 
     async_: copy the snapshot to host memory and write it in a background thread while
