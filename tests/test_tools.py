@@ -311,8 +311,8 @@ def test_trace_records_every_unit_and_category(traced):
     for r in data["ranks"]:
         assert len(r["steps"]) == 2
         spans = T.spans(r, data["units"])
-        # forward and backward, 2 steps; the last block runs first in backward and stays gathered
-        for name, gathers in (("blocks.0", 2 * 2), ("blocks.2", 2)):
+        # forward and backward, 2 steps: every block is gathered twice a step
+        for name, gathers in (("blocks.0", 2 * 2), ("blocks.2", 2 * 2)):
             mine = [s for s in spans if s["unit"] == name]
             assert sum(s["kind"] == "gather" for s in mine) == gathers
             assert sum(s["kind"] == "reduce" for s in mine) == 2
@@ -402,7 +402,7 @@ def test_report_view_replays_the_step(traced):
         assert all(0 <= s["start"] <= s["end"] <= view["duration"] + 1e-6 for s in r["spans"])
         assert r["lanes"]["gather"] >= 1
     # replaying the merged events leaves every unit sharded again, and gathers each block
-    # twice but the last, which runs first in backward and stays gathered
+    # twice (forward and backward) on each of the 2 ranks
     state = {(r["rank"], u): "sharded" for r in view["ranks"] for u in range(4)}
     gathers = 0
     for _, rank, name, unit, *_ in view["events"]:
@@ -413,7 +413,7 @@ def test_report_view_replays_the_step(traced):
             state[rank, unit] = "gathered"
         elif name == "reshard":
             state[rank, unit] = "sharded"
-    assert set(state.values()) == {"sharded"} and gathers == 2 * (2 * 3 - 1)
+    assert set(state.values()) == {"sharded"} and gathers == 2 * 2 * 3
     f = view["figures"]
     n, psi = 2, f["psi"]
     assert f["theory"]["all_gather"] == 2 * psi * 4 * (n - 1) // n

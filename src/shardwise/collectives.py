@@ -13,10 +13,17 @@ all asynchronous: the same bytes per rank, no staging, no copy of this rank's ow
 CPU (docs/benchmarks.md measures it). So the collectives hand out rows, one per rank
 (``all_gather``'s result, ``scatter_rows``), not one rank-major tensor. NCCL keeps its own
 collectives (its rows are those of one rank-major buffer).
+
+Note [fake world]: the planner runs the real runtime as rank 0 of N ranks in one process, on
+fake tensors over torch's "fake" process group, which sends nothing (``groups.fake_world``).
+There, ``standing_in(backend)`` makes that group take the paths of the backend the plan is
+for (Gloo's rows or NCCL's buffer) and count into counters of its own, so that the caller's
+``comm_stats`` stay as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -64,15 +71,17 @@ def reset_comm_stats() -> None:
 
 class Pending:
     """An issued collective (one or more works); ``wait()`` blocks until it is done, runs
-    its completion step, if any, and books its time."""
+    its completion step, if any, and books its time. It holds the buffers it was handed until
+    then, as the backend's works do (torch's fake group, which the planner runs on, holds none)."""
 
-    __slots__ = ("works", "finish", "kind", "label", "group", "t_issue", "nbytes", "result", "_done")
+    __slots__ = ("works", "finish", "kind", "label", "group", "t_issue", "nbytes", "result", "buffers", "_done")
 
     def __init__(
-        self, works: list, finish, kind: str, label: str, group, t_issue: float, nbytes: int, result=None
+        self, works: list, finish, kind: str, label: str, group, t_issue: float, nbytes: int, result=None,
+        buffers=None,
     ):
         self.works, self.finish, self.kind, self.label, self.group = works, finish, kind, label, group
-        self.t_issue, self.nbytes, self.result = t_issue, nbytes, result
+        self.t_issue, self.nbytes, self.result, self.buffers = t_issue, nbytes, result, buffers
         self._done = not works
 
     def completed(self) -> bool:
@@ -86,6 +95,7 @@ class Pending:
         try:
             for work in self.works:
                 work.wait()
+            work = None  # (it holds its buffers: they go with the works, before the event)
         except Exception as exc:  # Gloo raises on peer death and on timeout
             raise _collective_error(self.kind, self.label, self.group, exc) from exc
         if self.finish is not None:
@@ -95,7 +105,7 @@ class Pending:
         s.seconds += t1 - self.t_issue
         s.wait_seconds += t1 - t0
         self._done = True
-        self.works = self.finish = None
+        self.works = self.finish = self.buffers = None
         if events.listeners:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
 
@@ -180,11 +190,32 @@ def _issue(kind: str, label: str, group, nbytes: int, check: torch.Tensor, fn, *
     except Exception as exc:
         raise _collective_error(kind, label, group, exc) from exc
     works, finish, result = issued if isinstance(issued, tuple) else ([issued], None, None)
-    return Pending(works, finish, kind, label, group, t0, nbytes, result)
+    return Pending(works, finish, kind, label, group, t0, nbytes, result, buffers=args)
+
+
+_stands_for: str | None = None  # the backend torch's "fake" group stands for (Note [fake world])
+
+
+@contextlib.contextmanager
+def standing_in(backend: str):
+    """Inside, torch's "fake" group takes ``backend``'s collective paths, and collectives
+    count apart from the caller's ``comm_stats`` with the debug check off (Note [fake world])."""
+    global _stats, _check, _stands_for
+    saved = _stats, _check, _stands_for
+    _stats, _check, _stands_for = {k: CollectiveStats() for k in KINDS}, None, backend
+    try:
+        yield
+    finally:
+        _stats, _check, _stands_for = saved
 
 
 def _on_gloo(group) -> bool:
-    return dist.get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.GLOO
+    if dist.get_world_size(group) == 1:
+        return False
+    backend = dist.get_backend(group)
+    if backend == "fake" and _stands_for is not None:
+        backend = _stands_for
+    return backend == dist.Backend.GLOO
 
 
 def _global_rank(group, group_rank: int) -> int:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -45,6 +46,25 @@ def init(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
     collectives.check_collectives(check_collectives)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, backend: str) -> Iterator[None]:
+    """A world of ``world_size`` ranks inside this process, which is rank 0, over torch's
+    "fake" process group (nothing is sent; torchtitan estimates memory the same way): the
+    planner runs the real runtime in it on fake tensors. Its collectives take ``backend``'s
+    paths and count apart from this process's ``comm_stats`` (Note [fake world] in
+    collectives.py). It is the default group, so the process must have none yet."""
+    if dist.is_initialized():
+        raise RuntimeError("a fake world needs a process without a default process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with collectives.standing_in(backend):
+            yield
+    finally:
+        dist.destroy_process_group()
 
 
 def device() -> torch.device:

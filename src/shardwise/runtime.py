@@ -3,15 +3,14 @@ end-of-backward callback. One ``Runtime`` per sharded model.
 
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
 the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
-except the unit that ran last, which backward needs first) and registers the pre-backward hook
-on the unit's outputs. Backward: the pre-backward hook gathers again and prefetches in
-backward order; a post-accumulate-grad hook on each full parameter counts finished gradients,
-and the unit's reduce-scatter is issued as soon as all are in, while earlier layers still
-compute, and finished before the next unit's is issued; an identity autograd function on the
-unit's inputs marks the end of its backward, where it reshards (at the issue already, before
-its gradient rows are allocated, when all its parameters train: then nothing left in
-backward reads them). The final callback finishes what is left, waits for every reduce and
-leaves ``.grad`` on the shards.
+all but the root) and registers the pre-backward hook on the unit's outputs. Backward: the
+pre-backward hook gathers again and prefetches in backward order; a post-accumulate-grad hook
+on each full parameter counts finished gradients, and the unit's reduce-scatter is issued as
+soon as all are in, while earlier layers still compute, and finished before the next unit's
+is issued; an identity autograd function on the unit's inputs marks the end of its backward,
+where it reshards (at the issue already, before its gradient rows are allocated, when all its
+parameters train: then nothing left in backward reads them). The final callback finishes what
+is left, waits for every reduce and leaves ``.grad`` on the shards.
 """
 
 from __future__ import annotations
@@ -117,9 +116,6 @@ class Runtime:
         self.backward_order: list[Unit] = []  # and of pre-backward hooks
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
         self.next_backward: dict[Unit, Unit] = {}
-        # the last unit of the previous forward runs first in backward: full_shard keeps it
-        # gathered rather than reshard it and gather it again at once
-        self.last_forward: Unit | None = None
         self.reducing: Unit | None = None  # the sharded unit whose reduction was issued last
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
@@ -174,7 +170,10 @@ class Runtime:
             if events.listeners:
                 events.emit("forward", unit.label, edge="end")
             grad = torch.is_grad_enabled()
-            if not grad or (self.strategy == "full_shard" and not unit.is_root and unit is not self.last_forward):
+            # full_shard reshards even the unit that ran last, which backward needs first: held
+            # through the loss it would raise the peak by a unit where the loss is the peak (as
+            # measured), and the root's pre-backward prefetches it again (docs/architecture.md)
+            if not grad or (self.strategy == "full_shard" and not unit.is_root):
                 unit.reshard()
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
@@ -183,7 +182,6 @@ class Runtime:
                     register_multi_grad_hook(outs, hook, mode="any")
             if unit.is_root:
                 self.next_forward = _successors(self.forward_order)
-                self.last_forward = next((u for u in reversed(self.forward_order) if not u.is_root), None)
                 if not grad:  # inference: nothing stays gathered
                     self.settle()
                 if self.precision.output_dtype is not None:

@@ -88,9 +88,8 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
         total = (gathers * b_gather + b_reduce) * psi * (n - 1) // n
         formula = f"({gathers}*b_gather + b_reduce)*psi*(N-1)/N"
     notes = {
-        "full_shard": "measured is lower by the backward gathers of the root unit and of the "
-        "unit that runs last in forward (both stay gathered from forward to backward) and "
-        "higher by padding rows",
+        "full_shard": "measured is lower by the root unit's backward gather (it stays "
+        "gathered from forward to backward) and higher by padding rows",
         "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
         "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
     }

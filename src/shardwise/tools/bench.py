@@ -56,7 +56,7 @@ SYSTEMS = (
     "fsdp2/shard_grad_op",
     "shardwise/shard_grad_op",
 )
-MODELS = ("tiny", "small", "medium", "large", "mlp")
+MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
 MLP_DIMS = [1024] * 9  # 8 Linear(1024, 1024) layers: 8.4M parameters
 REDOS = 3  # times a visit is run again when other processes took more than --quiet of the CPU
 QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
@@ -66,7 +66,8 @@ QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
 class BenchConfig:
     """Options of ``shardwise bench``; each is the CLI flag of the same name."""
 
-    model: str = "small"  # built-in GPT size (tiny|small|medium|large) or mlp (an MLPStack)
+    model: str = "small"  # built-in GPT size (tiny|small|medium|large), mlp (an MLPStack) or
+    # mha (an MHAGPT of the small size: stock torch blocks, untied head, loss outside the model)
     nproc: int = 2  # ranks to launch on this machine (ignored under torchrun)
     batch_size: int = 4  # sequences (GPT) or rows (mlp) per rank per step
     seq_len: int = 128  # tokens per sequence (GPT)
@@ -94,7 +95,9 @@ class BenchConfig:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT size, or mlp")
+    p.add_argument(
+        "--model", choices=MODELS, default=d.model, help="GPT size, mlp, or mha (MHAGPT small)"
+    )
     p.add_argument(
         "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
     )
@@ -151,13 +154,12 @@ class Workload:
     tokens_per_step: int  # over all ranks (rows, for mlp)
     num_params: int
     root_params: int  # parameters outside every block: the root unit's
-    last_params: int  # the last block's, which shardwise's full shard keeps gathered into backward
 
 
 def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
     """The model and data for ``cfg.model``: the same seed and batches on every system."""
     from ..data import get_batch, rank_slice
-    from ..models import GPT, Block, Layer, MLPStack, gpt_config
+    from ..models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 
     n = cfg.warmup + cfg.steps
     if cfg.model == "mlp":
@@ -178,10 +180,11 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
         def loss(model, x, y):
             return F.mse_loss(model(x), y)
     else:
-        mcfg = gpt_config(cfg.model, seq_len=cfg.seq_len)
+        mha = cfg.model == "mha"
+        mcfg = gpt_config("small" if mha else cfg.model, seq_len=cfg.seq_len)
 
         def build() -> nn.Module:
-            return GPT(mcfg)
+            return MHAGPT(mcfg) if mha else GPT(mcfg)
 
         batches = []
         for step in range(n):
@@ -189,9 +192,11 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
             batches.append(
                 (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
             )
-        block, tokens = Block, cfg.batch_size * world * cfg.seq_len
+        block, tokens = (MHABlock if mha else Block), cfg.batch_size * world * cfg.seq_len
 
         def loss(model, x, y):
+            if mha:  # the loss outside the model, as most training loops have it
+                return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             return model(x, y)
 
     torch.manual_seed(cfg.seed)
@@ -199,8 +204,7 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     total = sum(p.numel() for p in probe.parameters())
     in_blocks = {id(p) for m in probe.modules() if isinstance(m, block) for p in m.parameters()}
     root = sum(p.numel() for p in probe.parameters() if id(p) not in in_blocks)
-    last = sum(p.numel() for p in [m for m in probe.modules() if isinstance(m, block)][-1].parameters())
-    return Workload(build, block, batches, loss, tokens, total, root, last)
+    return Workload(build, block, batches, loss, tokens, total, root)
 
 
 def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh):
@@ -305,7 +309,6 @@ def run_rank(cfg: BenchConfig) -> dict:
         "ranks": everyone,
         "num_params": work.num_params,
         "root_params": work.root_params,
-        "last_params": work.last_params,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
         "machine": _machine(device.type),
@@ -526,19 +529,15 @@ def _tracked_peak(model, opt, kept: list[torch.Tensor], autocast, work: Workload
 
 
 # --------------------------------------------------------------------------- summary
-def _theory(
-    system: str, psi: int, root: int, last: int, world: int, b_gather: int, b_reduce: int
-) -> int:
+def _theory(system: str, psi: int, root: int, world: int, b_gather: int, b_reduce: int) -> int:
     """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
     full shard gathers every unit twice, less the root's backward gather (the root stays
-    gathered from forward to backward, in shardwise as in FSDP2) and, in shardwise, the last
-    block's (it runs first in backward, so it stays gathered too), and reduce-scatters once;
+    gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
     shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b)."""
     if system == "floor":
         return 0
     if system.endswith("full_shard"):
-        kept = root + (last if system.startswith("shardwise") else 0)
-        gathered = (2 * psi - kept) * b_gather + psi * b_reduce
+        gathered = (2 * psi - root) * b_gather + psi * b_reduce
     elif system.endswith("shard_grad_op"):
         gathered = psi * b_gather + psi * b_reduce
     else:
@@ -592,7 +591,6 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
                 name,
                 results["num_params"],
                 results["root_params"],
-                results["last_params"],
                 world,
                 b_gather,
                 4,
