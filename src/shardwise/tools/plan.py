@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import multiprocessing
+import os
 import pickle
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -237,9 +239,10 @@ def _estimate(
     after_backward = stages.index("optimizer") - 1  # the sample as the optimizer begins
     step = [r for r, s in zip(rows, stages) if s == "optimizer"]
     if offload:
+        landed = _landed(rank, data["units"])
         device = [
-            r["peak"] - r["param_shards"] - r["optimizer"] if s in ("forward", "backward") else 0
-            for r, s in zip(rows, stages)
+            r["peak"] - r["param_shards"] - r["optimizer"] - g if s in ("forward", "backward") else 0
+            for r, s, g in zip(rows, stages, landed)
         ]
     else:
         device = [r["peak"] for r in rows]
@@ -271,6 +274,21 @@ def _estimate(
         comm={k: rank["comm"][k]["bytes"] for k in ("all_gather", "reduce_scatter", "all_reduce")},
         phases=phases,
     )
+
+
+def _landed(rank: dict, units: list[dict]) -> list[int]:
+    """For each CPU memory sample, the bytes of gradient shards landed in host memory so far
+    (cpu_offload: a unit's when its reduction is done; as large as its shard)."""
+    size = [u["shard_bytes"] for u in units]
+    done = sorted((e[0], size[e[2]]) for e in rank["events"] if e[1] == "reduce_done")
+    out, k, total = [], 0, 0
+    for sample in rank["memory"]:
+        if sample[1] == "cpu":
+            while k < len(done) and done[k][0] <= sample[0]:
+                total += done[k][1]
+                k += 1
+            out.append(total)
+    return out
 
 
 # --- the public function
@@ -417,18 +435,43 @@ def plan(
 
 
 def _in_fresh_process(model, args: dict) -> Plan:
-    """``plan(model, **args)`` in a spawned process: the fake world is a default process group,
-    and a process has one at most (Note [fake world] in collectives.py)."""
+    """``plan(model, **args)`` in a fresh Python process: the fake world is a default process
+    group, and a process has one at most (Note [fake world] in collectives.py). The child
+    sees this process's ``sys.path``, so what pickles here by reference unpickles there."""
     try:
-        pickle.dumps((model, args))
+        payload = pickle.dumps((model, args))
     except Exception as exc:
         raise ShardwiseError(
             "plan() runs in a fresh process when this one already has a process group, so its "
             "arguments must pickle: pass the model (or a module-level function or "
             f"functools.partial that builds it) and module-level functions, not lambdas ({exc})"
         ) from exc
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(plan, model, **args).result()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = "from shardwise.tools.plan import _plan_from_stdin; _plan_from_stdin()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=payload, capture_output=True, env=env, check=False
+    )
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace")[-2000:]
+        raise ShardwiseError(f"planning in a fresh process failed:\n{tail}")
+    ok, value = pickle.loads(done.stdout)
+    if not ok:
+        raise value
+    return value
+
+
+def _plan_from_stdin() -> None:
+    """The fresh process's side of ``_in_fresh_process``: arguments in, (ok, plan or the
+    exception it raised) out, pickled; anything printed while planning goes to stderr."""
+    out, sys.stdout = sys.stdout.buffer, sys.stderr
+    model, args = pickle.load(sys.stdin.buffer)
+    try:
+        result = (True, plan(model, **args))
+    except Exception as exc:
+        result = (False, exc)
+    out.write(pickle.dumps(result))
+    out.flush()
+
 
 def _policy_name(policy: Policy | None) -> str:
     return "none" if policy is None else repr(policy)
@@ -601,6 +644,11 @@ def main(argv: list[str] | None = None) -> None:
         help="recompute block activations in backward",
     )
     ap.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="the run's collectives (default: nccl where CUDA is available, else gloo)",
+    )
+    ap.add_argument(
         "--budget",
         help="device memory per rank, e.g. 24GiB: pick the cheapest configuration that fits",
     )
@@ -608,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = gpt_config(a.model_size, seq_len=a.seq_len)
     wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[a.wrap]
     result = plan(
-        lambda: GPT(cfg),
+        partial(GPT, cfg),
         world_size=a.world_size,
         strategy=a.strategy,
         wrap=wrap,
@@ -617,6 +665,7 @@ def main(argv: list[str] | None = None) -> None:
         activation_checkpointing=by_class(Block) if a.activation_checkpointing else None,
         batch_size=a.batch_size,
         seq_len=a.seq_len,
+        backend=a.backend,
         budget=a.budget,
     )
     print(f"GPT {a.model_size}: " + str(result))

@@ -79,6 +79,7 @@ class _Allocations:
 
     def __init__(self):
         self._watched: dict[int, weakref.ref] = {}  # id(storage) -> its weak reference
+        self._buffers: list[tuple[int, weakref.ref]] = []  # the followed collectives'
         self._freed: list[tuple[int, int, int, int]] = []
 
     def start(self) -> None:
@@ -123,6 +124,19 @@ class _Allocations:
                 st = t.untyped_storage()
                 if st.nbytes():
                     self.watch(st, st.data_ptr())
+                    self._buffers.append((id(st), weakref.ref(st)))
+
+    def settle(self, keep: set[int], timeout: float = 1.0) -> None:
+        """Wait, at most ``timeout`` seconds, until the followed collectives' buffers that the
+        traced code no longer holds (their storage ids not in ``keep``) are freed. Gloo drops
+        a finished work, and with it its buffers, on its worker thread some time after the
+        waiter woke up (under load, many milliseconds later): the last sample must not count
+        them as held."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+            key not in keep and ref() is not None for key, ref in self._buffers
+        ):
+            time.sleep(0.001)
 
     def _on_free(self, key: int, ptr: int, seen: int, _ref) -> None:
         self._watched.pop(key, None)
@@ -175,6 +189,9 @@ class _FakeAllocations(TorchDispatchMode):
 
     def watch_work(self, work) -> None:
         pass
+
+    def settle(self, keep: set[int]) -> None:
+        pass  # torch's fake group holds no buffers
 
     def _note(self, st: torch.UntypedStorage) -> None:
         """Log the bytes ``st`` holds now, if they changed (a freed block counts as -1)."""
@@ -456,6 +473,8 @@ class Trace:
         events.unlisten(self._on_event)
         try:
             self._known.refresh()  # e.g. gradients freed by zero_grad since the last event
+            if self._log is not None:
+                self._log.settle(self._known.cached_ids | set(self._known.dynamic()))
             self._sample(time.perf_counter())
         finally:
             log = self._log.stop() if self._log is not None else None
