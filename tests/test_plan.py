@@ -107,56 +107,61 @@ TOLERANCE = {"gpt": 0.05, "mlp": 0.05, "mha": 0.10}  # mha: a model the planner 
 def measure(configs):
     """Per config: MemTracker's peak over one steady-state step, the model state a step
     leaves (shards, gradients after backward, optimizer state), bytes sent, and the units."""
+    return [measure_one(*config) for config in configs]
+
+
+def measure_one(name, strategy, wrap, precision, offload, checkpoint):
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    out = []
-    for name, strategy, wrap, precision, offload, checkpoint in configs:
-        build, block, _, loss_fn = MODELS[name]
-        torch.manual_seed(0)
-        model = build()
-        policy = shardwise.wrap.by_class(block)
-        shardwise.shard(
-            model,
-            wrap=policy if wrap else None,
-            strategy=strategy,
-            mixed_precision=precision,
-            cpu_offload=offload,
-        )
-        if checkpoint:
-            shardwise.checkpoint_activations(model, policy)
-        opt = torch.optim.AdamW(model.parameters())
-        # (a scale that overflows would skip the steps, and the optimizer state with them)
-        scaler = shardwise.GradScaler(model, init_scale=1.0) if precision == "fp16" else None
-        held = {}
+    build, block, _, loss_fn = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    policy = shardwise.wrap.by_class(block)
+    shardwise.shard(
+        model,
+        wrap=policy if wrap else None,
+        strategy=strategy,
+        mixed_precision=precision,
+        cpu_offload=offload,
+    )
+    if checkpoint:
+        shardwise.checkpoint_activations(model, policy)
+    opt = torch.optim.AdamW(model.parameters())
+    # (a scale that overflows would skip the steps, and the optimizer state with them)
+    scaler = shardwise.GradScaler(model, init_scale=1.0) if precision == "fp16" else None
+    held = {}
 
-        def step():  # (the batch is made inside, as the planner's is: MemTracker counts it)
-            x, y = real_batch(name, dist.get_rank())
-            loss = loss_fn(model, x, y) if loss_fn else model(x, y)
-            (scaler.scale(loss) if scaler else loss).backward()
-            held.update(shardwise.held_bytes(model))
-            scaler.step(opt) if scaler else opt.step()
-            if scaler:
-                scaler.update()
-            opt.zero_grad(set_to_none=True)
+    def step():  # (the batch is made inside, as the planner's is: MemTracker counts it)
+        x, y = real_batch(name, dist.get_rank())
+        loss = loss_fn(model, x, y) if loss_fn else model(x, y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        held.update(shardwise.held_bytes(model))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        step()  # the optimizer state appears, the runtime learns its orders
-        shardwise.reset_comm_stats()
-        tracker = MemTracker()
-        with warnings.catch_warnings():  # it warns about gradients shardwise moved on
-            warnings.simplefilter("ignore")
-            tracker.track_external(model, opt, *kept_buckets(model))
-            with tracker:
-                step()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-        units = [
-            (u.label, u.flat_shard.numel() * u.flat_shard.element_size(), u.layout.unsharded_numel * u.compute_dtype.itemsize)
-            for u in shardwise.units(model)
-            if hasattr(u, "flat_shard")
-        ]
-        sent = {k: v.bytes for k, v in shardwise.comm_stats().items() if k != "broadcast"}
-        out.append((peak, held["params"] + held["grads"] + state, sent, units))
-    return out
+    step()  # the optimizer state appears, the runtime learns its orders
+    shardwise.reset_comm_stats()
+    tracker = MemTracker()
+    with warnings.catch_warnings():  # it warns about gradients shardwise moved on
+        warnings.simplefilter("ignore")
+        tracker.track_external(model, opt, *kept_buckets(model))
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    state = sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    units = [
+        (u.label, u.flat_shard.numel() * u.flat_shard.element_size(), u.layout.unsharded_numel * u.compute_dtype.itemsize)
+        for u in shardwise.units(model)
+        if hasattr(u, "flat_shard")
+    ]
+    sent = {k: v.bytes for k, v in shardwise.comm_stats().items() if k != "broadcast"}
+    return peak, held["params"] + held["grads"] + state, sent, units
 
 
 def predict(world, name, strategy, wrap, precision, offload, checkpoint):

@@ -71,6 +71,8 @@ class BenchConfig:
     nproc: int = 2  # ranks to launch on this machine (ignored under torchrun)
     batch_size: int = 4  # sequences (GPT) or rows (mlp) per rank per step
     seq_len: int = 128  # tokens per sequence (GPT)
+    vocab_size: int = 256  # GPT vocabulary: the tokens are bytes; a larger one enlarges the
+    # embedding, the head and the loss's temporaries (a real tokenizer's would)
     rounds: int = 6  # visits of each system, in alternation
     steps: int = 3  # timed steps per visit
     warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
@@ -88,6 +90,8 @@ class BenchConfig:
             raise ValueError(f"unknown systems {bad}; valid: {', '.join(SYSTEMS)}")
         if self.mixed_precision not in ("none", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: use none or bf16")
+        if self.vocab_size < 256:
+            raise ValueError(f"vocab_size={self.vocab_size}: the tokens are bytes, use at least 256")
         if self.rounds < 1 or self.steps < 1 or self.warmup < 1:
             raise ValueError("rounds, steps and warmup must each be at least 1")
 
@@ -105,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank"
     )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (GPT)")
+    p.add_argument(
+        "--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary (at least 256)"
+    )
     p.add_argument("--rounds", type=int, default=d.rounds, help="visits of each system")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per visit")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per visit")
@@ -181,7 +188,9 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
             return F.mse_loss(model(x), y)
     else:
         mha = cfg.model == "mha"
-        mcfg = gpt_config("small" if mha else cfg.model, seq_len=cfg.seq_len)
+        mcfg = gpt_config(
+            "small" if mha else cfg.model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size
+        )
 
         def build() -> nn.Module:
             return MHAGPT(mcfg) if mha else GPT(mcfg)
@@ -668,6 +677,7 @@ def render_markdown(summary: dict) -> str:
         f"{summary['machine']}; {summary['world_size']} ranks, {c['threads']} thread(s) each; "
         f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
         + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")
+        + (f" of a {c['vocab_size']}-token vocabulary" if c.get("vocab_size", 256) != 256 else "")
         + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",

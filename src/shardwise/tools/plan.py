@@ -213,7 +213,7 @@ def _peak_and_end(entries: list[tuple[int, int, int, int]]) -> tuple[int, int]:
     live: dict[int, int] = {}
     total = peak = 0
     for _, key, n, _ in entries:
-        total += (n if n > 0 else 0) - live.pop(key, 0)
+        total += max(0, n) - live.pop(key, 0)
         if n > 0:
             live[key] = n
         peak = max(peak, total)
@@ -336,13 +336,9 @@ def plan(
     world cannot be made, so the plan is made in a fresh process: its arguments must then
     pickle (module-level functions, ``functools.partial``; not lambdas).
     """
-    args = dict(
-        world_size=world_size, strategy=strategy, wrap=wrap, mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-        batch_size=batch_size, seq_len=seq_len, inputs=inputs, loss=loss, optimizer=optimizer,
-        max_unsharded=max_unsharded, backend=backend, budget=budget,
-    )  # fmt: skip
     if dist.is_initialized():
+        args = dict(locals())  # the arguments as given
+        del args["model"]
         return _in_fresh_process(model, args)
     build = _meta_factory(model)
     precision = MixedPrecision.of(mixed_precision)
@@ -417,9 +413,14 @@ def plan(
             data, optimizer_name, shard_bytes = _run(job, s, w, ckpt, off)
             estimates.append(
                 _estimate(
-                    data, shard_bytes, strategy=s, wrap=_policy_name(w), checkpointing=ckpt,
-                    offload=off, precision_name=precision_name,
-                )  # fmt: skip
+                    data,
+                    shard_bytes,
+                    strategy=s,
+                    wrap=_policy_name(w),
+                    checkpointing=ckpt,
+                    offload=off,
+                    precision_name=precision_name,
+                )
             )
     n_params = sum(p.numel() for p in probe.parameters())
     tokens_shown = f"{batch_size} x {seq_len}" if inputs is None else "inputs()"
@@ -467,7 +468,7 @@ def _plan_from_stdin() -> None:
     model, args = pickle.load(sys.stdin.buffer)
     try:
         result = (True, plan(model, **args))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (whatever it is, it is the caller's to see)
         result = (False, exc)
     out.write(pickle.dumps(result))
     out.flush()

@@ -22,9 +22,10 @@ no Python runs per operator; when the trace ends, that log is replayed to give t
 at each sample and the highest total between samples, and activations are those bytes minus
 the category storages that the trace allocated (told apart by address). On CUDA: the caching
 allocator's ``memory_allocated`` minus the categories, and its peak counter between samples,
-which the tracer resets. It includes autograd's saved tensors and short-lived temporaries such
-as activation gradients. Tensors allocated before the trace began count only where they belong
-to a category (e.g. shards, existing optimizer state).
+which the tracer resets. Under the planner (a fake world, fake tensors): the same replay of a
+log that a dispatch mode keeps (``_FakeAllocations``). It includes autograd's saved tensors
+and short-lived temporaries such as activation gradients. Tensors allocated before the trace
+began count only where they belong to a category (e.g. shards, existing optimizer state).
 
 Clocks: every rank passes a barrier on entry and counts time from there, so ranks line up to
 within the barrier's skew.
