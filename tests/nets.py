@@ -88,13 +88,98 @@ class PrimeMLP(nn.Module):
         return self.out(x * self.gain + self.shift)
 
 
+class Expert(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoEBlock(nn.Module):
+    """A mixture of experts inside one unit: a learned gate routes each row to its top ``k``
+    experts, so which experts train depends on the data and differs between ranks; the last
+    expert can never be chosen (idle everywhere, as an expert that no token picks)."""
+
+    def __init__(self, d: int, experts: int = 4, k: int = 1):
+        super().__init__()
+        self.k = k
+        self.ln = nn.LayerNorm(d)
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+    def forward(self, x):
+        h = self.ln(x)
+        scores = self.gate(h)
+        scores[:, -1] = float("-inf")
+        weights, chosen = scores.softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():  # an idle expert is not called: its parameters get no gradient
+                out = out.index_add(0, rows, expert(h[rows]) * weights[rows, slot, None])
+        return x + out
+
+
+class MoENet(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(13, d)
+        self.blocks = nn.ModuleList([MoEBlock(d, k=1), MoEBlock(d, k=2)])
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+class DoubleLinear(nn.Module):
+    """PyTorch's own test module for unused parameters: its second output is never in the loss."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin1 = nn.Linear(d, d)
+        self.lin2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.relu(self.lin1(x)), torch.relu(self.lin2(x))
+
+
+class DoubleStack(nn.Module):
+    """DoubleLinear blocks, and a branch in the root that runs only while ``use_branch``."""
+
+    def __init__(self, d: int = 8, layers: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(13, d)
+        self.blocks = nn.ModuleList(DoubleLinear(d) for _ in range(layers))
+        self.branch = nn.Linear(d, d)
+        self.out = nn.Linear(d, 3)
+        self.use_branch = True
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x, _ = b(x)
+        if self.use_branch:
+            x = x + self.branch(x)
+        return self.out(x)
+
+
+MODELS = {"tied": TiedTransformer, "mlp": PrimeMLP, "moe": MoENet, "double": DoubleStack}
+BLOCKS = {"tied": Block, "mlp": Layer, "moe": MoEBlock, "double": DoubleLinear}
+
+
 def make(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return TiedTransformer() if kind == "tied" else PrimeMLP()
+    return MODELS[kind]()
 
 
 def batch(kind: str, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A learnable task: next token = token + 1 (tied), a fixed linear teacher's argmax (mlp)."""
+    """A learnable task: next token = token + 1 (tied), a fixed linear teacher's argmax (others)."""
     g = torch.Generator().manual_seed(1000 + step)
     if kind == "tied":
         x = torch.randint(0, 23, (global_batch, 6), generator=g)
@@ -111,9 +196,9 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def wrap_policy(name: str, kind: str):
     if name == "by_class":
-        return shardwise.wrap.by_class(Block if kind == "tied" else Layer)
+        return shardwise.wrap.by_class(BLOCKS[kind])
     if name == "by_size":
-        return shardwise.wrap.by_size(150 if kind == "tied" else 40)
+        return shardwise.wrap.by_size({"tied": 150, "mlp": 40, "moe": 300, "double": 60}[kind])
     return None
 
 
@@ -129,8 +214,11 @@ def global_mean(loss: torch.Tensor) -> float:
     return float(t) / dist.get_world_size()
 
 
-def train_pair(kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: int = 2, lr: float = 1e-2):
-    """Train a sharded copy and the unsharded reference side by side on the same global batch.
+def train_pair(
+    kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: int = 2, lr: float = 1e-2, **options
+):
+    """Train a sharded copy and the unsharded reference side by side on the same global batch
+    (``options`` go to ``shard()``).
 
     Returns on rank 0: sharded losses, reference losses, the largest difference between final
     parameters, and how far the reference parameters moved from their start (so the
@@ -138,7 +226,7 @@ def train_pair(kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: i
     """
     ref = make(kind)
     start = copy.deepcopy(ref.state_dict())
-    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy(wrap, kind), strategy=strategy)
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy(wrap, kind), strategy=strategy, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     n = dist.get_world_size()

@@ -25,11 +25,10 @@ def test_bench_runs_every_system(pools, tmp_path):
         assert r["peak_bytes"] > 0, name
         assert len(r["step_ms"]) == 1 and r["median_ms"] > 0 and r["redone_visits"] == 0
     own = rows["shardwise/full_shard"]
-    # the counter agrees with ours; on Gloo our gathers are broadcasts and our reduce-scatters reduces
-    on_gloo = {"broadcast": "all_gather", "reduce": "reduce_scatter"}
-    counted = {on_gloo.get(k, k): v for k, v in own["bytes_by_kind"].items()}
-    assert own["shardwise_comm_stats_bytes"] == counted
-    assert set(counted) == {"all_gather", "reduce_scatter"}
+    # the counter agrees with ours: on Gloo our gathers and reduce-scatters are point-to-point
+    # sends, and the step check is one all-reduce
+    ours, counted = own["shardwise_comm_stats_bytes"], own["bytes_by_kind"]
+    assert counted == {"send": ours["all_gather"] + ours["reduce_scatter"], "all_reduce": ours["step_check"]}
     assert rows["floor"]["x_floor"] == 1.0 and own["x_fsdp2"] > 0 and own["x_ddp"] > 0
 
     saved = json.loads((tmp_path / "bench.json").read_text())
@@ -52,3 +51,27 @@ def test_mlp_workload_splits_one_global_batch():
 def test_config_rejects_unknown_systems():
     with pytest.raises(ValueError, match="unknown systems"):
         bench.parse_args(["--systems", "floor,megatron"])
+
+
+def compiled_blocks_per_system(argv):
+    """Build every system as ``--compile`` does; per system, its blocks and how many are compiled."""
+    cfg = bench.parse_args(argv)
+    work = bench.workload(cfg, torch.distributed.get_rank(), 2, torch.device("cpu"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for name in cfg.systems:
+        model = bench.build_system(name, cfg, work, torch.device("cpu"), mesh)[0]
+        blocks = [m for m in model.modules() if isinstance(m, work.block)]
+        out[name] = (len(blocks), sum(m._compiled_call_impl is not None for m in blocks))
+    return out
+
+
+def test_compile_flag_compiles_every_block_of_every_system(pools):
+    argv = ["--model", "tiny", "--compile"]
+    got = pools(2).run(compiled_blocks_per_system, argv)[0]
+    assert set(got) == set(bench.SYSTEMS)
+    assert all(n == 2 and compiled == n for n, compiled in got.values()), got  # tiny: 2 blocks
+    plain = pools(2).run(compiled_blocks_per_system, argv[:2])[0]
+    assert all(compiled == 0 for _, compiled in plain.values())

@@ -27,20 +27,24 @@ def fragile_pool():
     pool.close()
 
 
-def die_or_diverge(how: str, check: bool = False):
-    shardwise.init(check_collectives=check)
-    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"))
+def die_or_diverge(how: str, strategy: str = "full_shard"):
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
     if dist.get_rank() == 1:
         if how == "die":
             model.blocks[1].register_forward_pre_hook(lambda m, a: os._exit(7))
-        else:  # another path: this rank skips a block
-            model.blocks[1].forward = lambda x: x
+        else:  # a branch taken by the data: this rank never calls blocks.1
+            model.blocks = torch.nn.ModuleList(b for i, b in enumerate(model.blocks) if i != 1)
     for step in range(3):
         x, y = batch("tied", step, 4)
         loss_of(model, local_slice(x), local_slice(y)).backward()
     shardwise.full_state_dict(model)
-    shardwise.init(check_collectives=False)
     return "finished"
+
+
+def switch_on_sharded_units(strategy: str):
+    from test_unused import train_switch
+
+    return train_switch(strategy)
 
 
 def test_dead_rank_ends_the_others_with_a_named_unit(fragile_pool):
@@ -49,30 +53,38 @@ def test_dead_rank_ends_the_others_with_a_named_unit(fragile_pool):
     assert time.monotonic() - t0 < GROUP_TIMEOUT + 20
     assert out[1].exitcode == 7
     assert not out[0].ok and out[0].error_type.endswith("CollectiveError"), out[0]
-    assert "for unit 'blocks." in out[0].error_message and "rank 0" in out[0].error_message
+    message = out[0].error_message
+    assert "for unit 'blocks." in message and "rank 0" in message
+    assert "rank 1: no answer" in message
 
 
-def test_rank_on_another_path_is_named_on_every_rank_in_debug_mode(fragile_pool):
-    t0 = time.monotonic()
-    out = fragile_pool.run_outcomes(die_or_diverge, "diverge", check=True)
-    assert time.monotonic() - t0 < GROUP_TIMEOUT + 20
+WHERE = r"rank (\d): call #(\d+) (\w+) for unit '([^']+)'"
+
+
+def assert_named_on_every_rank(out, units):
     for o in out:
         assert not o.ok, f"rank {o.rank} finished although its peer took another path"
         assert o.error_type.endswith("CollectiveError"), o
-        assert "ranks diverged" in o.error_message
-        lines = re.findall(r"rank (\d): call #(\d+) (\w+) for unit '([^']+)'", o.error_message)
-        assert [r for r, *_ in lines] == ["0", "1"] and lines[0][1:] != lines[1][1:]
+        assert "wrap the parent module" in o.error_message
+        where = re.findall(WHERE, o.error_message)
+        assert [r for r, *_ in where] == ["0", "1"], o.error_message
+        assert where[0][1] == where[1][1]  # the same call, on a different unit
+        assert [w[3] for w in where] == units, o.error_message
 
 
-def test_rank_on_another_path_without_debug_mode_never_hangs(fragile_pool):
-    # Without the check Gloo itself aborts a rank whose collective does not match ("Received
-    # data size doesn't match expected size"); its peers then end with the named unit.
+def test_a_rank_that_skips_a_unit_is_named_on_every_rank(fragile_pool):
     t0 = time.monotonic()
     out = fragile_pool.run_outcomes(die_or_diverge, "diverge")
-    assert time.monotonic() - t0 < 2 * GROUP_TIMEOUT + 20
-    assert not any(o.ok for o in out)
-    named = [o for o in out if o.error_type and o.error_type.endswith("CollectiveError")]
-    assert named and all("for unit '" in o.error_message for o in named)
+    assert time.monotonic() - t0 < GROUP_TIMEOUT + 15
+    assert_named_on_every_rank(out, ["blocks.1", "blocks.2"])
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_experts_as_units_on_different_ranks_are_named_on_every_rank(fragile_pool, strategy):
+    t0 = time.monotonic()
+    out = fragile_pool.run_outcomes(switch_on_sharded_units, strategy)
+    assert time.monotonic() - t0 < GROUP_TIMEOUT + 15
+    assert_named_on_every_rank(out, ["experts.0", "experts.1"])
 
 
 INIT_TIMEOUT_SCRIPT = textwrap.dedent(

@@ -33,10 +33,11 @@ def test_pack_gather_unpack_round_trip(world):
             assert view.shape == slot.local_shape(r)
             assert torch.equal(view.reshape(-1), t.reshape(slot.rows, -1)[start:stop].reshape(-1))
     # a gather yields every rank's row: unpack must rebuild every parameter exactly
-    flat_full = torch.full((lay.unsharded_numel,), float("nan"))
-    lay.unpack(list(packed), flat_full)
-    for v, t in zip(lay.unsharded_views(flat_full), full):
-        assert v.shape == t.shape and torch.equal(v, t)
+    for rows in (list(packed), packed):  # Gloo's rows, or NCCL's one rank-major tensor
+        flat_full = torch.full((lay.unsharded_numel,), float("nan"))
+        lay.unpack(rows, flat_full)
+        for v, t in zip(lay.unsharded_views(flat_full), full):
+            assert v.shape == t.shape and torch.equal(v, t)
 
 
 def test_subset_keeps_shapes_and_recomputes_offsets():

@@ -167,8 +167,8 @@ def test_one_reduction_in_flight(pools, strategy):
     assert not left  # the end of backward finishes the rest
 
 
-# --- a unit whose parameters all train frees its full parameters at its reduction's issue,
-# before its rows are allocated; one with a frozen parameter waits for the end of its backward
+# --- a unit frees its full parameters when its backward ends, before its reduction's rows
+# are allocated (frozen parameters or not)
 def reshard_and_reduce_order(strategy):
     ref = make("mlp")
     ref.layers[2].lin.weight.requires_grad_(False)  # layers.2: a frozen and a trained parameter
@@ -197,14 +197,13 @@ def reshard_and_reduce_order(strategy):
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
-def test_unit_reshards_before_its_reduction_when_all_its_parameters_train(pools, strategy):
+def test_unit_reshards_before_its_reduction(pools, strategy):
     order, diff = pools(2).run(reshard_and_reduce_order, strategy)[0]
     first = {}
     for i, (name, unit) in enumerate(order):
         first.setdefault((name, unit), i)
-    for unit in ("layers.0", "layers.3"):
+    for unit in ("layers.0", "layers.2", "layers.3"):  # layers.2 has a frozen parameter
         assert first["reshard", unit] < first["reduce_issue", unit], order
-    assert first["reduce_issue", "layers.2"] < first["reshard", "layers.2"], order
     assert ("reduce_issue", "layers.1") not in first  # frozen whole: nothing to reduce
     assert diff <= 1e-6  # one step agrees with the unsharded model
 

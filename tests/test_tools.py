@@ -145,7 +145,7 @@ def late_release():
 
     def hold(name, unit, **fields):
         if name == "reduce_issue" and unit == "<root>":
-            held.extend(root._reduce.buffers[0].rows)  # its rows, as the backend's work holds them
+            held.append(root._reduce.buffers)  # its buffers, as the backend's works hold them
 
     def step():
         x, y = tokens(9, dist.get_rank())

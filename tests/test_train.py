@@ -8,7 +8,8 @@ import sys
 def test_shardwise_train_runs_and_the_loss_falls(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "shardwise", "train", "--model-size", "tiny", "--steps", "40",
-         "--nproc", "2", "--seq-len", "32", "--log-every", "10", "--report", str(tmp_path / "r.html")],
+         "--nproc", "2", "--seq-len", "32", "--log-every", "10", "--report", str(tmp_path / "r.html"),
+         "--loss-curve", str(tmp_path / "loss.png")],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -20,6 +21,8 @@ def test_shardwise_train_runs_and_the_loss_falls(tmp_path):
     assert text.count("  rank ") == 6  # both ranks in all three tables
     assert "peak memory of one step" in text
     assert (tmp_path / "r.html").stat().st_size > 10_000 and (tmp_path / "r.chrome.json").exists()
+    assert text.count("ETA ") == 5  # not a terminal: a plain progress line per logged step
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_cli_lists_its_commands():

@@ -2,7 +2,8 @@
 
     import shardwise
     shardwise.init()                                   # torchrun's environment, nccl or gloo
-    model = shardwise.shard(GPT(cfg), wrap=shardwise.wrap.by_class(Block))
+    model = GPT(cfg)
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model))  # one unit per Block
     opt = torch.optim.AdamW(model.parameters())        # sees only this rank's shards
 """
 
@@ -18,7 +19,17 @@ from .api import (
     unit_states,
     units,
 )
-from .checkpoint import CheckpointError, CheckpointInfo, SaveHandle, convert, latest, load, load_full, save
+from .checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    SaveHandle,
+    convert,
+    latest,
+    load,
+    load_full,
+    save,
+    save_pretrained,
+)
 from .checkpointing import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
@@ -48,6 +59,7 @@ __all__ = [
     "latest",
     "load_full",
     "convert",
+    "save_pretrained",
     "SaveHandle",
     "CheckpointInfo",
     "CheckpointError",

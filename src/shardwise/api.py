@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import weakref
@@ -12,10 +13,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import collectives as C
-from . import groups
+from . import groups, streams
 from .build import (
     assign_params,
     broadcast_from_rank0,
@@ -26,13 +28,12 @@ from .build import (
     select_units,
 )
 from .errors import ShardwiseError
-from .policies import MixedPrecision
+from .policies import MixedPrecision, Sharding
 from .runtime import Phase, Runtime
 from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 from .wrap import Policy
 
-Strategy = Literal["full_shard", "shard_grad_op", "no_shard"]
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]
 
 
 def shard(
@@ -41,6 +42,8 @@ def shard(
     wrap: Policy | None = None,
     strategy: Strategy = "full_shard",
     group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    shard_size: int | None = None,
     init: Callable[[nn.Module], None] | None = None,
     mixed_precision: MixedPrecision | str | None = None,
     cpu_offload: bool = False,
@@ -73,8 +76,7 @@ def shard(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
-    if strategy not in STRATEGIES:
-        raise ShardwiseError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    sharding = Sharding.of(strategy)
     if max_unsharded < 1:
         raise ShardwiseError(f"max_unsharded={max_unsharded} must be at least 1")
     for name, m in module.named_modules():
@@ -85,18 +87,21 @@ def shard(
                 "shard() before); shard() runs once per model: build a new model to shard again."
             )
     precision = MixedPrecision.of(mixed_precision)
-    if cpu_offload and strategy == "no_shard":
+    if cpu_offload and not sharding.shard:
         raise ShardwiseError(
             "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
             "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
         )
+    groups.rank_and_size(None)  # a process group exists
+    layout_mesh = groups.mesh_of(group, mesh, hybrid=sharding.hybrid, shard_size=shard_size)
+    group, whole = layout_mesh.shard, layout_mesh.whole
     rank, world = groups.rank_and_size(group)
     plans = select_units(module, wrap)
     assign_params(module, plans)
     param_device = check_plans(module, plans)
     device = groups.device() if param_device is None or param_device.type == "cpu" else param_device
 
-    sharded = strategy != "no_shard"
+    sharded = sharding.shard
     layouts = [layout_of(p, world if sharded else 1) for p in plans]
     home = torch.device("cpu") if cpu_offload else device  # where the master shards live
     pin = cpu_offload and device.type == "cuda"
@@ -121,18 +126,18 @@ def shard(
 
     with torch.no_grad():
         if any(p.is_meta for plan in plans for p in plan.params) or any(b.is_meta for b in module.buffers()):
-            materialize(module, device, init, keep_rows, group)
+            materialize(module, device, init, keep_rows, whole)
         for plan in plans:
             eager = [p for p in plan.params if not p.is_meta]
             if eager:
-                keep_rows(eager, broadcast_from_rank0(eager, device, group, plan.label))
+                keep_rows(eager, broadcast_from_rank0(eager, device, whole, plan.label))
         for name, b in module.named_buffers():
             if not b.is_meta:
-                b.data = broadcast_from_rank0([b], device, group, name)[0].clone()
+                b.data = broadcast_from_rank0([b], device, whole, name)[0].clone()
             if precision.buffer_dtype is not None and b.is_floating_point():
                 b.data = b.data.to(precision.buffer_dtype)
 
-    copy_stream = torch.cuda.Stream() if pin else None
+    side_streams = streams.for_device(device)
     units: list[Unit] = []
     for plan, lay, flat in zip(plans, layouts, flats):
         rg = [p.requires_grad for p in plan.params]
@@ -140,7 +145,8 @@ def shard(
             units.append(
                 ShardedUnit(
                     plan.module, plan.name, plan.registrations, group, lay, flat, rg,
-                    device=device, precision=precision, offload=cpu_offload, copy_stream=copy_stream,
+                    device=device, precision=precision, offload=cpu_offload, streams=side_streams,
+                    replicate=layout_mesh.replicate,
                 )
             )
         else:
@@ -152,7 +158,9 @@ def shard(
             )
         for r in plan.registrations:
             _retire(plan.params[r.index], r.fqn)
-    module._shardwise = Runtime(module, units, strategy, max_unsharded, precision)
+    module._shardwise = Runtime(
+        module, units, strategy, sharding, layout_mesh, max_unsharded, precision, groups.host_group(whole)
+    )
     _install_optimizer_guard()
     if init_from is not None:
         from .checkpoint import load_full  # checkpoint builds on this module
@@ -303,11 +311,12 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
                 else [torch.empty(s, dtype=unit.full_params[0].dtype) for s in shapes]
             )
             if src:
-                unit.load_full(broadcast_from_rank0([t.to(unit.full_params[0].dtype) for t in src], device, unit.group, unit.label))
+                values = [t.to(unit.full_params[0].dtype) for t in src]
+                unit.load_full(broadcast_from_rank0(values, device, rt.mesh.whole, unit.label))
         for name, b in model.named_buffers():
             if name in expected:
                 src = state_dict[name] if dist.get_rank() == 0 else b
-                b.copy_(broadcast_from_rank0([src.to(b.dtype)], device, None, name)[0])
+                b.copy_(broadcast_from_rank0([src.to(b.dtype)], device, rt.mesh.whole, name)[0])
 
 
 def _state_dict_problem(sd, expected, full_shapes) -> str:
@@ -348,20 +357,35 @@ def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Module
 
 def register_forward_method(module: nn.Module, name: str) -> None:
     """Make calls of ``module.<name>()`` gather and free the unit like ``forward`` does (for
-    methods such as ``generate`` or ``encode`` that use the parameters directly)."""
+    methods such as ``generate`` or ``encode`` that use the parameters directly).
+
+    The call goes through the module's own hooks: ``module(...)`` runs with the method in
+    place of ``forward`` for that one call, and the real ``forward`` is back before the method
+    starts, so the method's own calls of the model (``generate`` calls ``forward`` per token)
+    are ordinary forwards. The replacement keeps the method's name, docstring and signature
+    (``functools.wraps``), which libraries such as transformers inspect.
+    """
     method = getattr(module, name)
 
+    @functools.wraps(method)
     def call_with_hooks(*args, **kwargs):
-        had_own = "forward" in module.__dict__
         own = module.__dict__.get("forward")
-        module.forward = method
+
+        def restore() -> None:
+            if own is not None:
+                module.forward = own
+            else:
+                module.__dict__.pop("forward", None)
+
+        def run(*a, **k):
+            restore()
+            return method(*a, **k)
+
+        module.forward = run
         try:
             return module(*args, **kwargs)
         finally:
-            if had_own:
-                module.forward = own
-            else:
-                del module.forward
+            restore()
 
     setattr(module, name, call_with_hooks)
 

@@ -5,6 +5,7 @@ from rank 0's values (eager modules) or by initialising one module at a time (me
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -151,22 +152,30 @@ def materialize(
 ) -> None:
     """Initialise meta parameters one module at a time, in module order.
 
-    Each module's own meta parameters get temporary full storage, the module's
-    ``reset_parameters()`` (or ``init_fn(module)``) fills them, rank 0's values are broadcast
-    and handed to ``on_values`` (which keeps this rank's rows), and the storage is dropped: at
-    most one module is ever whole. A parameter shared with a module initialised earlier is
-    swapped for scratch storage, as eager construction discards a tied module's own weight, so
-    random streams match eager construction with the same seed. Meta buffers are materialised
-    in place. Raises, naming them, if parameters or buffers are left uninitialised.
+    Each module's own meta parameters get temporary full storage, ``init_fn(module)`` fills
+    them (by default the root's ``_init_weights(module)`` when it is a transformers model, as
+    its ``from_config`` initialises every module, else the module's ``reset_parameters()``),
+    rank 0's values are broadcast and handed to ``on_values`` (which keeps this rank's rows),
+    and the storage is dropped: at most one module is ever whole. A parameter shared with a
+    module initialised earlier is swapped for scratch storage, as eager construction discards
+    a tied module's own weight, so random streams match eager construction with the same seed.
+    Meta buffers are materialised in place. Raises, naming them, if parameters or buffers are
+    left uninitialised.
     """
     done: set[nn.Parameter] = set()
     missing: list[str] = []
+    # a transformers model's own initialiser (its PreTrainedModel has a base_model_prefix)
+    transformers = hasattr(root, "base_model_prefix")
+    model_init = getattr(root, "_init_weights", None) if transformers else None
     for mname, module in root.named_modules():
         own = [(a, p) for a, p in module._parameters.items() if p is not None and p.is_meta]
         bufs = [(a, b) for a, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not bufs:
             continue
-        init = init_fn if init_fn is not None else getattr(module, "reset_parameters", None)
+        if init_fn is not None or model_init is not None:
+            init = functools.partial(init_fn or model_init, module)
+        else:
+            init = getattr(module, "reset_parameters", None)
         if init is None:
             missing += [f"{mname}.{a}" if mname else a for a, p in own if p not in done]
             missing += [f"{mname}.{a}" if mname else a for a, _ in bufs]
@@ -178,7 +187,7 @@ def materialize(
             module._parameters[a] = t
         try:
             with torch.no_grad():
-                init_fn(module) if init_fn is not None else module.reset_parameters()
+                init()
         finally:
             for a, p in own:
                 module._parameters[a] = p

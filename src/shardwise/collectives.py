@@ -6,39 +6,48 @@ rank: (N-1)/N of the full tensor for all-gather and reduce-scatter, twice that f
 
 Note [Gloo gather and reduce-scatter]: Gloo's tensor all-gather stages through a fresh
 full-size buffer and a copy, and its tensor reduce-scatter clones the input and all-reduces
-the clone (twice the bytes). On Gloo, shardwise issues instead one broadcast per rank, each
-rank sending its shard from where it lies into the others' receive rows (all-gather), and one
-in-place reduce per destination rank, this rank's own row being its output (reduce-scatter),
-all asynchronous: the same bytes per rank, no staging, no copy of this rank's own slice, less
-CPU (docs/benchmarks.md measures it). So the collectives hand out rows, one per rank
-(``all_gather``'s result, ``scatter_rows``), not one rank-major tensor. NCCL keeps its own
-collectives (its rows are those of one rank-major buffer).
+the clone (twice the bytes). On Gloo, shardwise exchanges point-to-point messages instead:
+a gather sends this rank's shard from where it lies to every other rank and receives theirs
+into N-1 rows; a reduce-scatter sends each destination its row and adds the N-1 rows it
+receives into its own, which is its output. The same bytes per rank, no staging, no copy of
+this rank's own slice (docs/benchmarks.md measures it). So the collectives hand out rows, one
+per rank (``all_gather``'s result, ``scatter_rows``), not one rank-major tensor. NCCL keeps
+its own collectives (its rows are those of one rank-major buffer).
+
+Note [tagged Gloo messages]: those messages carry a tag of their unit and kind (``channel``),
+so a message can only ever meet the same unit's message on another rank, whatever order the
+ranks issue them in. Ranks that part ways (a unit run on some ranks only) then wait for each
+other until the timeout and are named by the flight recorder (flight.py), instead of pairing
+two units' collectives: with equal sizes that sums the wrong tensors silently, and Gloo
+aborts the process that receives a larger message than it expects. Reductions may also
+come in a different order on different ranks (a unit whose backward runs later on one rank).
 
 Note [fake world]: the planner runs the real runtime as rank 0 of N ranks in one process, on
 fake tensors over torch's "fake" process group, which sends nothing (``groups.fake_world``).
 There, ``standing_in(backend)`` makes that group take the paths of the backend the plan is
-for (Gloo's rows or NCCL's buffer) and count into counters of its own, so that the caller's
-``comm_stats`` stay as they were.
+for (Gloo's rows or NCCL's buffer); collectives count, number their channels and record
+their flight apart from this process's own, which stay as they were; and the step check
+agrees at once (one process stands for every rank, and fake tensors hold no values to read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import zlib
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from . import events
-from .errors import CollectiveError
+from . import flight
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "broadcast", "step_check")
 
 
 @dataclass
@@ -74,15 +83,17 @@ class Pending:
     its completion step, if any, and books its time. It holds the buffers it was handed until
     then, as the backend's works do (torch's fake group, which the planner runs on, holds none)."""
 
-    __slots__ = ("works", "finish", "kind", "label", "group", "t_issue", "nbytes", "result", "buffers", "_done")
+    __slots__ = ("works", "finish", "kind", "label", "t_issue", "nbytes", "result", "record", "buffers", "_done")
 
     def __init__(
-        self, works: list, finish, kind: str, label: str, group, t_issue: float, nbytes: int, result=None,
-        buffers=None,
+        self, works: list, finish, kind: str, label: str, t_issue: float, nbytes: int, result, record, buffers=None
     ):
-        self.works, self.finish, self.kind, self.label, self.group = works, finish, kind, label, group
-        self.t_issue, self.nbytes, self.result, self.buffers = t_issue, nbytes, result, buffers
+        self.works, self.finish, self.kind, self.label = works, finish, kind, label
+        self.t_issue, self.nbytes, self.result, self.record = t_issue, nbytes, result, record
+        self.buffers = buffers
         self._done = not works
+        if self._done and record is not None:
+            record.done = True
 
     def completed(self) -> bool:
         """Whether every work has completed (without waiting; the completion step runs at the wait)."""
@@ -97,7 +108,8 @@ class Pending:
                 work.wait()
             work = None  # (it holds its buffers: they go with the works, before the event)
         except Exception as exc:  # Gloo raises on peer death and on timeout
-            raise _collective_error(self.kind, self.label, self.group, exc) from exc
+            raise flight.diagnose(self.record, _cause(exc)) from exc
+        self.record.done = True
         if self.finish is not None:
             self.finish()
         t1 = time.perf_counter()
@@ -110,14 +122,9 @@ class Pending:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
 
 
-def _collective_error(kind: str, label: str, group, exc: BaseException) -> CollectiveError:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return CollectiveError(
-        f"rank {rank}: {kind} for unit '{label}' did not complete ({type(exc).__name__}: "
-        f"{str(exc).splitlines()[0] if str(exc) else exc!r}). Another rank died, raised, or "
-        "issued a different collective: every rank must run the same units in the same order. "
-        "The time limit is set with shardwise.init(timeout=seconds)."
-    )
+def _cause(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else repr(exc)
+    return f"{type(exc).__name__}: {text}; another rank died, raised, or issued other collectives"
 
 
 def _book(kind: str, nbytes_full: int, world: int, factor: int = 1) -> None:
@@ -127,70 +134,17 @@ def _book(kind: str, nbytes_full: int, world: int, factor: int = 1) -> None:
     s.bytes += factor * nbytes_full * (world - 1) // world
 
 
-class _SequenceCheck:
-    """Debug mode: before each collective, ranks compare what they are about to issue.
-
-    Each rank all-gathers a fingerprint (call number, kind, unit, elements, dtype) over a side
-    Gloo group, so a rank that took another path is caught before the collective can
-    mismatch, on every rank at once, with the unit each rank was at. Costs one small blocking
-    round trip per collective, hence off by default (``shardwise.init(check_collectives=True)``).
-    """
-
-    def __init__(self):
-        self.side = dist.new_group(backend="gloo")
-        self.calls = 0
-        self.labels: dict[int, str] = {}
-
-    def check(self, kind: str, label: str, tensor: torch.Tensor) -> None:
-        key = zlib.crc32(label.encode())
-        self.labels[key] = label
-        mine = torch.tensor(
-            [self.calls, KINDS.index(kind), key, tensor.numel(), _DTYPES.index(tensor.dtype)],
-            dtype=torch.int64,
-        )
-        self.calls += 1
-        world = dist.get_world_size(self.side)
-        everyone = torch.empty(world * 5, dtype=torch.int64)
-        try:
-            _all_gather_tensor(everyone, mine, group=self.side)
-        except Exception as exc:
-            raise _collective_error(kind, label, None, exc) from exc
-        everyone = everyone.view(world, 5)
-        if bool((everyone == mine).all()):
-            return
-        rows = [
-            f"rank {r}: call #{int(f[0])} {KINDS[int(f[1])]} for unit "
-            f"'{self.labels.get(int(f[2]), '?')}' ({int(f[3])} elements, {_DTYPES[int(f[4])]})"
-            for r, f in enumerate(everyone)
-        ]
-        raise CollectiveError(
-            "ranks diverged: they are about to issue different collectives; every rank must "
-            "run the same units in the same order (look for data-dependent control flow). "
-            + "; ".join(rows)
-        )
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
-_check: _SequenceCheck | None = None
-
-
-def check_collectives(enabled: bool) -> None:
-    """Turn the cross-rank collective sequence check on or off (collective: call on every rank)."""
-    global _check
-    _check = _SequenceCheck() if enabled else None
-
-
-def _issue(kind: str, label: str, group, nbytes: int, check: torch.Tensor, fn, *args, **kwargs) -> Pending:
-    """Issue ``fn`` asynchronously; it returns a work, or (works, completion step, result)."""
-    if _check is not None and group is None:
-        _check.check(kind, label, check)
+def _issue(kind: str, label: str, nbytes: int, tensor: torch.Tensor, start, buffers=None) -> Pending:
+    """Record the collective, then ``start()`` it; it returns a work, or (works, completion
+    step, result). The pending collective holds ``buffers`` until its wait."""
+    record = flight.record(kind, label, tensor.numel(), tensor.dtype)
     t0 = time.perf_counter()
     try:
-        issued = fn(*args, group=group, async_op=True, **kwargs)
+        issued = start()
     except Exception as exc:
-        raise _collective_error(kind, label, group, exc) from exc
+        raise flight.diagnose(record, _cause(exc)) from exc
     works, finish, result = issued if isinstance(issued, tuple) else ([issued], None, None)
-    return Pending(works, finish, kind, label, group, t0, nbytes, result, buffers=args)
+    return Pending(works, finish, kind, label, t0, nbytes, result, record, buffers)
 
 
 _stands_for: str | None = None  # the backend torch's "fake" group stands for (Note [fake world])
@@ -198,15 +152,16 @@ _stands_for: str | None = None  # the backend torch's "fake" group stands for (N
 
 @contextlib.contextmanager
 def standing_in(backend: str):
-    """Inside, torch's "fake" group takes ``backend``'s collective paths, and collectives
-    count apart from the caller's ``comm_stats`` with the debug check off (Note [fake world])."""
-    global _stats, _check, _stands_for
-    saved = _stats, _check, _stands_for
-    _stats, _check, _stands_for = {k: CollectiveStats() for k in KINDS}, None, backend
+    """Inside, torch's "fake" group takes ``backend``'s collective paths, and collectives count,
+    number channels and record their flight apart from the caller's (Note [fake world])."""
+    global _stats, _stands_for, _channels
+    saved = _stats, _stands_for, _channels
+    _stats, _stands_for = {k: CollectiveStats() for k in KINDS}, backend
     try:
-        yield
+        with flight.apart():
+            yield
     finally:
-        _stats, _check, _stands_for = saved
+        _stats, _stands_for, _channels = saved
 
 
 def _on_gloo(group) -> bool:
@@ -222,35 +177,60 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
-def _gather_rows(shard: torch.Tensor, *, group, async_op: bool):
-    """Every rank's shard, as a list indexed by rank: this rank's is ``shard`` itself.
+_channels = 0
 
-    Gloo: one in-place broadcast per rank into N-1 receive rows (Note [Gloo gather and
-    reduce-scatter]). Otherwise one all-gather into a rank-major buffer.
+
+def channel() -> int:
+    """A new channel number for one unit's gathers and reductions (Note [tagged Gloo messages]).
+
+    Ranks create units in the same order (``shard()`` is collective), so a unit gets the same
+    number on every rank."""
+    global _channels
+    _channels += 1
+    return _channels
+
+
+def _tag(channel: int, kind: int) -> int:
+    return (2 * channel + kind) & 0x7FFFFFFF
+
+
+def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor | None], group, tag: int) -> list:
+    """Send ``sends[r]`` to every other rank r and receive its message into ``recvs[r]``,
+    all asynchronously, in ring order (this rank's successors first)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    works = []
+    for step in range(1, world):
+        to, frm = (rank + step) % world, (rank - step) % world
+        works.append(dist.irecv(recvs[frm], _global_rank(group, frm), group=group, tag=tag))
+        works.append(dist.isend(sends[to], _global_rank(group, to), group=group, tag=tag))
+    return works
+
+
+def all_gather(shard: torch.Tensor, group, label: str, channel: int) -> Pending:
+    """Gather every rank's equal-sized ``shard``, asynchronously; after ``wait()``,
+    ``result[r]`` is rank r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it,
+    don't write it).
+
+    Gloo: this rank's shard goes from where it lies to every other rank, and theirs into N-1
+    receive rows (Note [Gloo gather and reduce-scatter]). Otherwise one all-gather into a
+    rank-major tensor, handed out whole so that the copy-out is one kernel.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = shard.view(-1)
-    if world == 1:
-        return [], None, [mine]
-    if _on_gloo(group):
-        rows = list(mine.new_empty(world - 1, mine.numel()).unbind(0))
-        rows.insert(rank, mine)
-        works = [
-            dist.broadcast(rows[r], _global_rank(group, r), group=group, async_op=async_op)
-            for r in range(world)
-        ]
-        return works, None, rows
-    out = mine.new_empty(world, mine.numel())
-    return [_all_gather_tensor(out, mine, group=group, async_op=async_op)], None, list(out.unbind(0))
-
-
-def all_gather(shard: torch.Tensor, group, label: str) -> Pending:
-    """Gather every rank's equal-sized ``shard``, asynchronously; after ``wait()``,
-    ``result[r]`` is rank r's shard (``result[rank]`` is ``shard``: read it, don't write it)."""
-    world = dist.get_world_size(group)
     nbytes = world * shard.numel() * shard.element_size()
     _book("all_gather", nbytes, world)
-    return _issue("all_gather", label, group, nbytes, shard, _gather_rows, shard)
+    mine = shard.view(-1)
+
+    def start():
+        if world == 1:
+            return [], None, [mine]
+        if _on_gloo(group):
+            rows = list(mine.new_empty(world - 1, mine.numel()).unbind(0))
+            rows.insert(rank, mine)
+            return _exchange([mine] * world, rows, group, _tag(channel, 0)), None, rows
+        out = mine.new_empty(world, mine.numel())  # one rank-major tensor: its rows index by rank
+        return [_all_gather_tensor(out, mine, group=group, async_op=True)], None, out
+
+    return _issue("all_gather", label, nbytes, shard, start)
 
 
 @dataclass
@@ -259,7 +239,7 @@ class ScatterRows:
 
     Fill ``rows[r]`` with this rank's contribution to rank r's sum, then ``reduce_scatter``;
     ``out`` holds this rank's sum after the wait. On Gloo ``out`` is this rank's own row,
-    reduced in place, and the other rows are scratch.
+    summed in place, and the other rows are sent as they are.
     """
 
     rows: list[torch.Tensor]
@@ -281,35 +261,50 @@ def scatter_rows(numel: int, dtype: torch.dtype, device: torch.device, group) ->
     return ScatterRows(list(full.unbind(0)), out, full)
 
 
-def _reduce_rows(buf: ScatterRows, *, group, async_op: bool):
-    if buf.full is None:  # Gloo: one in-place reduce per destination rank
-        works = [
-            dist.reduce(row, _global_rank(group, r), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            for r, row in enumerate(buf.rows)
-        ]
-        return works, None, None
-    return [_reduce_scatter_tensor(buf.out, buf.full, group=group, async_op=async_op)], None, None
-
-
-def reduce_scatter(buf: ScatterRows, group, label: str) -> Pending:
+def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending:
     """Sum the filled ``buf.rows`` over ranks into ``buf.out``, asynchronously (the other
-    rows are scratch afterwards)."""
-    world = dist.get_world_size(group)
+    rows are scratch afterwards).
+
+    Gloo: each row goes to its rank, the others' rows for this rank arrive in N-1 receive
+    rows and are added to ``out`` at the wait. Otherwise one reduce-scatter.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = world * buf.out.numel() * buf.out.element_size()
     _book("reduce_scatter", nbytes, world)
-    if world == 1:
-        return Pending([], None, "reduce_scatter", label, group, time.perf_counter(), nbytes)
-    return _issue("reduce_scatter", label, group, nbytes, buf.out, _reduce_rows, buf)
+    held = [buf.rows, buf.full]  # every buffer it uses, held by the pending collective
+
+    def start():
+        if world == 1:
+            return [], None, None
+        if buf.full is None:
+            recv = list(buf.out.new_empty(world - 1, buf.out.numel()).unbind(0))
+            recv.insert(rank, None)
+            held.append(recv)
+            works = _exchange(buf.rows, recv, group, _tag(channel, 1))
+
+            def add_received():
+                for r in range(world):
+                    if r != rank:
+                        buf.out.add_(recv[r])
+
+            return works, add_received, None
+        return [_reduce_scatter_tensor(buf.out, buf.full, group=group, async_op=True)], None, None
+
+    return _issue("reduce_scatter", label, nbytes, buf.out, start, buffers=held)
 
 
 def all_reduce(
-    tensor: torch.Tensor, group, label: str, op: dist.ReduceOp = dist.ReduceOp.SUM
+    tensor: torch.Tensor,
+    group,
+    label: str,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    kind: str = "all_reduce",
 ) -> Pending:
-    """Reduce ``tensor`` in place over ranks, asynchronously."""
+    """Reduce ``tensor`` in place over ranks, asynchronously (booked as ``kind``)."""
     world = dist.get_world_size(group)
-    _book("all_reduce", tensor.numel() * tensor.element_size(), world, factor=2)
+    _book(kind, tensor.numel() * tensor.element_size(), world, factor=2)
     nbytes = tensor.numel() * tensor.element_size()
-    return _issue("all_reduce", label, group, nbytes, tensor, dist.all_reduce, tensor, op=op)
+    return _issue(kind, label, nbytes, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:
@@ -317,4 +312,40 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending
     world = dist.get_world_size(group)
     _book("broadcast", tensor.numel() * tensor.element_size(), world)
     nbytes = tensor.numel() * tensor.element_size()
-    return _issue("broadcast", label, group, nbytes, tensor, dist.broadcast, tensor, _global_rank(group, src_rank))
+    src = _global_rank(group, src_rank)
+    return _issue(
+        "broadcast", label, nbytes, tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True)
+    )
+
+
+def step_check_nbytes(num_flags: int) -> int:
+    """Bytes of the tensor one step check all-reduces for ``num_flags`` trained parameters."""
+    return 8 * (num_flags + 2)
+
+
+def step_check(flags: list[bool], group, buffer: torch.Tensor) -> list[bool]:
+    """Agree once per step, over the host group ``group``, on which parameters got a gradient
+    on any rank and on the sequence of collectives since the last check.
+
+    One small all-reduce (max) of this rank's flags and of its digest of the collectives it
+    issued (``flight.take_digest``), negated too, so that the maximum of both tells whether
+    every rank's digest is the same. ``buffer`` (int64, ``len(flags) + 2``) is the caller's,
+    reused every step: a fresh one's last reference could go on the collective's worker
+    thread, where memory tools do not see it freed. Returns whether each parameter got a
+    gradient on any rank; raises ``CollectiveError`` on every rank, naming where the ranks
+    parted, when the digests differ.
+    """
+    digest = flight.take_digest()
+    buffer.copy_(torch.tensor([*flags, digest, -digest], dtype=torch.int64))
+    world = dist.get_world_size(group)
+    _book("step_check", step_check_nbytes(len(flags)), world, factor=2)
+    _issue(
+        "step_check", "<step check>", buffer.numel() * buffer.element_size(), buffer,
+        lambda: dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group, async_op=True),
+    ).wait()
+    if _stands_for is not None:  # one process stands for every rank: they agree
+        return list(flags)
+    agreed = buffer.tolist()
+    if agreed[-2] != digest or -agreed[-1] != digest:
+        raise flight.diagnose(None, "ranks issued different collectives in this step")
+    return [f > 0 for f in agreed[:-2]]

@@ -7,33 +7,33 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from .errors import ShardwiseError
+
 
 DEFAULT_TIMEOUT_S = 300.0
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init(
-    *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, check_collectives: bool = False
-) -> None:
+def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """Start the default process group from torchrun's environment.
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise, binds each process to
     ``cuda:LOCAL_RANK``, and sets the collective timeout (seconds) after which a collective
     that cannot complete (a rank died or took another path) raises on every rank instead of
-    hanging. Without torchrun's variables it starts a world of size 1. A no-op when a default
-    group already exists, except that ``check_collectives`` (debug mode: ranks compare every
-    collective before issuing it, so one that took another path is named at once) is applied.
+    hanging, naming where each rank was (flight.py). Without torchrun's variables it starts a
+    world of size 1. A no-op when a default group already exists.
     """
+    global _timeout_s
     if dist.is_initialized():
-        collectives.check_collectives(check_collectives)
         return
+    _timeout_s = timeout
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -45,7 +45,107 @@ def init(
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
-    collectives.check_collectives(check_collectives)
+
+
+_timeout_s = DEFAULT_TIMEOUT_S
+
+
+def timeout_s() -> float:
+    """The collective timeout ``init()`` set (its default if another call started the group)."""
+    return _timeout_s
+
+
+_host_groups: dict = {}
+
+
+def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A Gloo group over the ranks of ``group`` (None: the world) for small host-side
+    agreements (one per group and process; None for one rank). Its own group, so that its
+    collectives never meet the data collectives, and on the host, so that reading its result
+    never waits for a GPU (in a fake world, a fake group). Collective: every rank of ``group``
+    calls it in the same order."""
+    if dist.get_world_size(group) == 1:
+        return None
+    key = group if group is not None else dist.group.WORLD
+    if key not in _host_groups:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        backend = "fake" if dist.get_backend() == "fake" else "gloo"
+        _host_groups[key] = dist.new_group(ranks, backend=backend, use_local_synchronization=ranks is not None)
+    return _host_groups[key]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The ranks one model trains on: parameters are sharded within ``shard`` and, for hybrid
+    sharding, replicated across the shard groups, whose same-position ranks form ``replicate``
+    (a 2-D mesh of shape (replicate, shard)). ``whole`` spans every rank of the mesh (None: the
+    world): values are broadcast and ranks agree over it."""
+
+    shard: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup | None = None
+    whole: dist.ProcessGroup | None = None
+
+
+_meshes: dict = {}
+
+
+def mesh_of(group, mesh, *, hybrid: bool, shard_size: int | None) -> Mesh:
+    """Check the caller's layout and build the groups it names (collective).
+
+    Hybrid: a ``torch.distributed.device_mesh.DeviceMesh`` of shape (replicate, shard), or the
+    world in groups of ``shard_size`` consecutive ranks (default: torchrun's
+    LOCAL_WORLD_SIZE, one node). Otherwise ``group`` (or a 1-D ``mesh``; default the world).
+    """
+    if group is not None and mesh is not None:
+        raise ShardwiseError("pass group= or mesh=, not both: a mesh already names its groups")
+    if mesh is not None and not hasattr(mesh, "get_group"):
+        raise ShardwiseError(f"mesh= takes a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if not hybrid:
+        if shard_size is not None:
+            raise ShardwiseError(
+                f"shard_size={shard_size} is for hybrid sharding: use strategy='hybrid_shard' "
+                "(or 'hybrid_shard_grad_op'), or drop shard_size to shard over the whole group."
+            )
+        if mesh is not None:
+            if mesh.ndim != 1:
+                raise ShardwiseError(
+                    f"a {mesh.ndim}-D mesh {tuple(mesh.shape)} is for hybrid sharding: use "
+                    "strategy='hybrid_shard' with a mesh of shape (replicate, shard), or a 1-D mesh."
+                )
+            group = mesh.get_group()
+        return Mesh(group, None, group)
+    if mesh is not None:
+        if mesh.ndim != 2:
+            raise ShardwiseError(
+                f"hybrid sharding takes a 2-D mesh of shape (replicate, shard); got a {mesh.ndim}-D "
+                f"mesh {tuple(mesh.shape)}: build it with init_device_mesh(device, (replicas, shard_size))."
+            )
+        if shard_size is not None and shard_size != mesh.shape[1]:
+            raise ShardwiseError(f"shard_size={shard_size} contradicts the mesh's shard dimension {mesh.shape[1]}: pass one of them")
+        if mesh.mesh.numel() != dist.get_world_size():
+            raise ShardwiseError(
+                f"the mesh {tuple(mesh.shape)} spans {mesh.mesh.numel()} of the {dist.get_world_size()} "
+                "ranks: hybrid sharding takes a mesh over the whole world."
+            )
+        return Mesh(mesh.get_group(1), mesh.get_group(0) if mesh.shape[0] > 1 else None, None)
+    if group is not None:
+        raise ShardwiseError("hybrid sharding over a group: pass mesh= (a 2-D DeviceMesh of shape (replicate, shard)) instead of group=")
+    world = dist.get_world_size()
+    if shard_size is None:
+        shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not isinstance(shard_size, int) or shard_size < 1 or world % shard_size:
+        raise ShardwiseError(
+            f"shard_size={shard_size!r} must divide the world size {world}: the world is split into "
+            f"groups of shard_size consecutive ranks (one node each, typically: torchrun's --nproc_per_node)."
+        )
+    key = (world, shard_size, dist.group.WORLD)
+    if key not in _meshes:
+        rows = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(world // shard_size)]
+        cols = [list(range(c, world, shard_size)) for c in range(shard_size)]
+        shard_group, _ = dist.new_subgroups_by_enumeration(rows, backend=dist.get_backend())
+        replicate_group, _ = dist.new_subgroups_by_enumeration(cols, backend=dist.get_backend())
+        _meshes[key] = Mesh(shard_group, replicate_group if len(rows) > 1 else None, None)
+    return _meshes[key]
 
 
 @contextlib.contextmanager
@@ -53,18 +153,24 @@ def fake_world(world_size: int, backend: str) -> Iterator[None]:
     """A world of ``world_size`` ranks inside this process, which is rank 0, over torch's
     "fake" process group (nothing is sent; torchtitan estimates memory the same way): the
     planner runs the real runtime in it on fake tensors. Its collectives take ``backend``'s
-    paths and count apart from this process's ``comm_stats`` (Note [fake world] in
-    collectives.py). It is the default group, so the process must have none yet."""
+    paths and count apart from this process's (Note [fake world] in collectives.py). It is the
+    default group, so the process must have none yet; the groups made in it go with it."""
     if dist.is_initialized():
         raise RuntimeError("a fake world needs a process without a default process group")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
+    from . import collectives  # (collectives imports flight, which imports this module)
+
+    saved = dict(_host_groups), dict(_meshes)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         with collectives.standing_in(backend):
             yield
     finally:
         dist.destroy_process_group()
+        for cache, before in zip((_host_groups, _meshes), saved):
+            cache.clear()
+            cache.update(before)
 
 
 def device() -> torch.device:

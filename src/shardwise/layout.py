@@ -111,12 +111,17 @@ class Layout:
             start += self.world_size * s.shard_numel
         return views
 
-    def unpack(self, rows: Sequence[torch.Tensor], flat_full: torch.Tensor) -> None:
+    def unpack(self, rows: Sequence[torch.Tensor] | torch.Tensor, flat_full: torch.Tensor) -> None:
         """Copy every rank's flat shard (``rows[r]``: rank r's) into its rows of each
-        parameter in the parameter-major unsharded buffer."""
+        parameter in the parameter-major unsharded buffer: one copy per row, or one in all
+        when ``rows`` is a single rank-major tensor (an NCCL gather's output)."""
         n = self.world_size
         sizes = [s.shard_numel for s in self.slots]
         segments = torch.split(flat_full, [n * k for k in sizes])
+        if isinstance(rows, torch.Tensor):
+            outs = [seg.view(n, k) for seg, k in zip(segments, sizes)]
+            torch.split_with_sizes_copy(rows.view(n, -1), sizes, dim=1, out=outs)
+            return
         for r, row in enumerate(rows):
             outs = [seg[r * k : (r + 1) * k] for seg, k in zip(segments, sizes)]
             torch.split_with_sizes_copy(row.view(-1), sizes, out=outs)

@@ -1,4 +1,5 @@
-"""Precision policy: which dtype each tensor of a unit is stored, computed, sent and reduced in."""
+"""Policies: precision (which dtype each tensor of a unit is stored, computed, sent and reduced
+in) and sharding (what a strategy name means)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,28 @@ class MixedPrecision:
     @property
     def needs_loss_scaling(self) -> bool:
         return torch.float16 in (self.param_dtype, self.reduce_dtype)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What a strategy name means, as three facts (FSDP2 describes the same space with its
+    ``reshard_after_forward`` and a 1-D or 2-D mesh)."""
+
+    shard: bool  # parameters sharded over the shard group (False: whole on every rank, DDP)
+    reshard_after_forward: bool  # full parameters freed after each forward, gathered again
+    hybrid: bool  # replicated across shard groups: gradients all-reduced across them
+
+    @staticmethod
+    def of(strategy: str) -> Sharding:
+        if strategy not in STRATEGIES:
+            raise ShardwiseError(f"strategy={strategy!r} is not one of {tuple(STRATEGIES)}")
+        return STRATEGIES[strategy]
+
+
+STRATEGIES = {
+    "full_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=False),
+    "shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=False),
+    "no_shard": Sharding(shard=False, reshard_after_forward=False, hybrid=False),
+    "hybrid_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=True),
+    "hybrid_shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=True),
+}

@@ -4,17 +4,20 @@ end-of-backward callback. One ``Runtime`` per sharded model.
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
 the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
 all but the root) and registers the pre-backward hook on the unit's outputs. Backward: the
-pre-backward hook gathers again and prefetches in backward order; a post-accumulate-grad hook
-on each full parameter counts finished gradients, and the unit's reduce-scatter is issued as
-soon as all are in, while earlier layers still compute, and finished before the next unit's
-is issued; an identity autograd function on the unit's inputs marks the end of its backward,
-where it reshards (at the issue already, before its gradient rows are allocated, when all its
-parameters train: then nothing left in backward reads them). The final callback finishes what
-is left, waits for every reduce and leaves ``.grad`` on the shards.
+pre-backward hook gathers again and prefetches in backward order; an identity autograd
+function on the unit's inputs marks the end of its backward, where it reshards and issues its
+reduce-scatter (Note [when a unit reduces]), while earlier layers still compute, after
+finishing the one issued before. A post-accumulate-grad
+hook on each full parameter notes which parameters got a gradient. The final callback issues
+what is left, waits for every reduction, agrees with the other ranks on which parameters got
+a gradient anywhere (those that got none keep their ``.grad``, as in one process) and
+leaves ``.grad`` on the shards.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
 from enum import Enum, auto
 
@@ -25,8 +28,10 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import events
 from .errors import ShardwiseError
-from .policies import MixedPrecision
-from .unit import ShardedUnit, Unit, UnitState
+from .groups import Mesh
+from .policies import MixedPrecision, Sharding
+from . import collectives as C
+from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
 class Phase(Enum):
@@ -70,6 +75,38 @@ def _replace_tensors(obj, it):
 # So all of them reach the runtime and the unit through weak references.
 
 
+# Note [compile]: a unit's hooks gather and free its parameters, swap them in its modules
+# and issue collectives; none of that belongs in a compiled graph. So every hook runs
+# eagerly, outside dynamo (as FSDP2's do): compiling a wrapped block compiles its forward
+# alone, called between its pre- and post-forward hooks, when the module already holds the
+# full parameters, which are the same tensors every step (no recompilation). Compiling the
+# whole model leaves each unit's hooks as graph breaks between compiled regions.
+_DISABLE_REASON = (
+    "shardwise's hooks gather and free a unit's parameters outside compiled graphs: compile "
+    "each wrapped block (block.compile()), or the whole model without fullgraph=True"
+)
+_DISABLE_KW = {"reason": _DISABLE_REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
+
+
+def _outside_graphs(fn):
+    """``fn`` always runs eagerly, never traced into a torch.compile graph (Note [compile])."""
+    return torch.compiler.disable(fn, recursive=True, **_DISABLE_KW)
+
+
+def _check_not_compiled_autograd() -> None:
+    """Compiled autograd would trace the backward hooks that gather parameters and issue
+    collectives into its graph (Note [compile]): refuse it up front."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    config = sys.modules.get("torch._dynamo.config")
+    if getattr(config, "compiled_autograd", False) or getattr(ca, "compiled_autograd_enabled", False):
+        raise ShardwiseError(
+            "compiled autograd is on (torch._dynamo.config.compiled_autograd), but shardwise's "
+            "backward hooks gather parameters and reduce gradients outside compiled graphs. "
+            "Turn compiled autograd off; torch.compile of the blocks or the model still "
+            "compiles their backward (AOTAutograd)."
+        )
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's own backward is done."""
 
@@ -89,6 +126,7 @@ class _PostBackward(torch.autograd.Function):
 def _pre_backward_hook(runtime_ref: weakref.ref, unit_ref: weakref.ref):
     """The hook on a unit's outputs that starts its backward (Note [weak references from C++])."""
 
+    @_outside_graphs
     def hook(_grad) -> None:
         runtime, unit = runtime_ref(), unit_ref()
         if runtime is not None and unit is not None:
@@ -101,13 +139,23 @@ class Runtime:
     """Hook state of one sharded model: its units, phase, recorded orders and options."""
 
     def __init__(
-        self, root: nn.Module, units: list[Unit], strategy: str, max_unsharded: int, precision: MixedPrecision
+        self,
+        root: nn.Module,
+        units: list[Unit],
+        strategy: str,
+        sharding: Sharding,
+        mesh: Mesh,
+        max_unsharded: int,
+        precision: MixedPrecision,
+        host_group,
     ):
         self.root = root
         self.precision = precision
         self.grad_scaler = None  # a shardwise.GradScaler attaches itself here
         self.units = units  # innermost first, root last
-        self.strategy = strategy
+        self.strategy = strategy  # its name, for tools and checkpoints
+        self.sharding = sharding  # what it means
+        self.mesh = mesh
         self.max_unsharded = max_unsharded
         self.sync_grads = True
         self.phase = Phase.IDLE
@@ -116,9 +164,22 @@ class Runtime:
         self.backward_order: list[Unit] = []  # and of pre-backward hooks
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
         self.next_backward: dict[Unit, Unit] = {}
-        self.reducing: Unit | None = None  # the sharded unit whose reduction was issued last
+        self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
+        # Note [when a unit reduces]: ranks must issue untagged collectives in one order, and
+        # which parameters get a gradient may differ between ranks (data-dependent models), so
+        # no reduction waits on "every gradient is in". A sharded unit reduces when the last
+        # backward of this step's forward calls of it ends (``post_backward``), else at the
+        # end of backward. Replicated units have no gathers to keep in step with: they reduce
+        # in one fixed order (reverse module order), each as soon as it and those before it
+        # have all their gradients, the rest at the end of backward (DDP's bucket order).
+        self.reduce_order = _reverse_module_order(root, [u for u in units if isinstance(u, ReplicatedUnit)])
+        self.next_in_order = 0  # position in reduce_order of the next reduction to issue
+        self.pending_backwards: dict[Unit, int] = {}  # forward calls whose backward has not ended
+        self.ran_since_sync: set[Unit] = set()
+        self.host_group = host_group  # the side group of the step check (collectives.step_check)
+        self.check_buffer: torch.Tensor | None = None
         for unit in units:
             self._register(unit)
 
@@ -128,17 +189,20 @@ class Runtime:
         if isinstance(unit, ShardedUnit) or unit.casts:  # plain no_shard needs none, like DDP
             m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
             m.register_forward_hook(self._make_post_forward(unit))
-        for p, rg in zip(unit.full_params, _requires_grad(unit)):
-            if rg:
-                p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
+        trainable = [p for p in unit.full_params if p.requires_grad]
+        for j, p in enumerate(trainable):
+            p.register_post_accumulate_grad_hook(self._make_grad_ready(unit, j))
 
     # --- forward
     def _make_pre_forward(self, unit: Unit):
+        @_outside_graphs
         def hook(module, args, kwargs):
             if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing)
                 unit.wait_unshard()
                 return None
             if unit.is_root:
+                if torch.is_grad_enabled():
+                    _check_not_compiled_autograd()
                 self.phase = Phase.FORWARD
                 self.forward_order = []
                 self._expose_shards(False)
@@ -157,6 +221,7 @@ class Runtime:
             if torch.is_grad_enabled():
                 flat = _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
+                    self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                     marked = iter(_PostBackward.apply(weakref.ref(self), weakref.ref(unit), *flat))
                     return _replace_tensors((args, kwargs), marked)
             return args, kwargs
@@ -164,16 +229,17 @@ class Runtime:
         return hook
 
     def _make_post_forward(self, unit: Unit):
+        @_outside_graphs
         def hook(module, args, output):
             if self.phase is Phase.BACKWARD:
                 return None
             if events.listeners:
                 events.emit("forward", unit.label, edge="end")
             grad = torch.is_grad_enabled()
-            # full_shard reshards even the unit that ran last, which backward needs first: held
-            # through the loss it would raise the peak by a unit where the loss is the peak (as
-            # measured), and the root's pre-backward prefetches it again (docs/architecture.md)
-            if not grad or (self.strategy == "full_shard" and not unit.is_root):
+            # even the unit that ran last, which backward needs first: held through the loss it
+            # raises the peak by a unit where the loss is the peak (docs/architecture.md), and
+            # the root's pre-backward prefetches it again
+            if not grad or (self.sharding.reshard_after_forward and not unit.is_root):
                 unit.reshard()
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
@@ -199,7 +265,7 @@ class Runtime:
         """
         if nxt is None or nxt.state is not UnitState.SHARDED:
             return
-        if self.strategy == "full_shard":
+        if self.sharding.reshard_after_forward:
             if self._count_unsharded() >= self.max_unsharded:
                 return
         elif self._count_unsharded(gathering_only=True):
@@ -212,7 +278,7 @@ class Runtime:
         return sum(u.state is not UnitState.SHARDED for u in self.units if not u.is_root)
 
     def _note_unsharded(self) -> None:
-        if self.strategy == "full_shard":
+        if self.sharding.reshard_after_forward:
             self.peak_unsharded = max(self.peak_unsharded, self._count_unsharded())
 
     # --- backward
@@ -233,7 +299,7 @@ class Runtime:
         self._prefetch(self.next_backward.get(unit))
         self._note_unsharded()
 
-    def _make_grad_ready(self, unit: Unit):
+    def _make_grad_ready(self, unit: Unit, j: int):
         runtime_ref, unit_ref = weakref.ref(self), weakref.ref(unit)  # Note [weak references from C++]
 
         def hook(param):
@@ -242,44 +308,63 @@ class Runtime:
                 Variable._execution_engine.queue_callback(rt._final_callback)
                 rt.callback_queued = True
             u.grads_ready += 1
-            if rt.sync_grads and u.grads_ready == u.num_trainable:
-                # with every parameter trained, every node that reads them has run
-                rt.reduce(u, backward_done=u.num_trainable == len(u.full_params))
+            u.used[j] = True
+            if rt.sync_grads and isinstance(u, ReplicatedUnit):
+                rt._reduce_in_order(ready_only=True)
 
         return hook
 
-    def reduce(self, unit: Unit, *, backward_done: bool = False) -> None:
-        """Issue ``unit``'s gradient reduction. The sharded unit reduced before it is finished
-        first, a whole unit's backward after its issue: its scratch rows go before this one's
-        are allocated, rather than every unit's staying to the end of backward. Once nothing
-        in backward reads the unit's full parameters any more (``backward_done``), they are
-        freed before its rows are allocated, not after."""
-        if isinstance(unit, ShardedUnit):
-            if self.reducing is not None and self.reducing is not unit:
-                self.reducing.finish_reduce()
-            self.reducing = unit
-            if backward_done and not unit.is_root:
-                unit.reshard()
+    def _reduce_in_order(self, *, ready_only: bool) -> None:
+        """Issue replicated units' reductions in ``reduce_order`` (Note [when a unit reduces])."""
+        while self.next_in_order < len(self.reduce_order):
+            u = self.reduce_order[self.next_in_order]
+            if ready_only and u.grads_ready < u.num_trainable:
+                return
+            u.reduce_grads()
+            self.next_in_order += 1
+
+    def reduce(self, unit: ShardedUnit) -> None:
+        """Issue a sharded unit's gradient reduction once its backward is over. The reduction
+        issued before it moves on first: its reduce-scatter is finished, so its scratch rows
+        go before this one's are allocated (rather than every unit's staying to the end of
+        backward), and, with hybrid sharding, its all-reduce across replicas is issued and
+        left to overlap this one's reduce-scatter. The unit's full parameters are freed
+        before its rows are allocated, not after."""
+        for u in self.reducing:
+            u.advance_reduce()
+        while len(self.reducing) > (1 if self.sharding.hybrid else 0):
+            self.reducing.pop(0).finish_reduce()
+        if not unit.is_root:
+            unit.reshard()
         unit.reduce_grads()
+        self.reducing.append(unit)
 
     def post_backward(self, unit: Unit) -> None:
-        """The unit's backward is complete: its full parameters are no longer needed."""
+        """The backward of one forward call of the unit is complete."""
         if events.listeners:
             events.emit("backward", unit.label, edge="end")
-        if self.sync_grads and not unit.reduce_issued and unit.grads_ready == unit.num_trainable:
-            self.reduce(unit, backward_done=True)
+        left = self.pending_backwards.get(unit, 1) - 1
+        self.pending_backwards[unit] = left
+        if left == 0 and self.sync_grads and isinstance(unit, ShardedUnit) and not unit.reduce_issued:
+            self.reduce(unit)
         if not unit.is_root:
             unit.reshard()
 
     def _final_callback(self) -> None:
         ran = set(self.forward_order) | set(self.backward_order)
+        self.ran_since_sync |= ran
         if self.sync_grads:
-            for u in self.units:  # parameters that got no gradient this step reduce as zeros
-                if not u.reduce_issued and (u in ran or u.grads_ready):
-                    self.reduce(u, backward_done=True)
+            self._reduce_in_order(ready_only=False)
+            for u in self.units:  # a unit that ran reduces, whichever of its parameters got gradients
+                if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
+                    self.reduce(u)
             for u in self.units:
                 u.finish_reduce()
-        self.reducing = None
+            self._keep_used()
+            self.ran_since_sync = set()
+        self.reducing = []
+        self.next_in_order = 0
+        self.pending_backwards = {}
         for u in self.units:
             u.grads_ready = 0
             u.reduce_issued = False
@@ -289,6 +374,23 @@ class Runtime:
         if events.listeners:
             events.emit("step_end", "")
         self._check_all_ran(ran)
+
+    def _keep_used(self) -> None:
+        """Agree with the other ranks on which parameters got a gradient anywhere (one small
+        collective a step, which also compares the ranks' collectives: collectives.step_check);
+        the others keep the ``.grad`` they had, as in one process."""
+        trained = [u for u in self.units if u.num_trainable]
+        flags = [f for u in trained for f in u.used]
+        if self.host_group is not None:
+            if self.check_buffer is None:
+                self.check_buffer = torch.empty(len(flags) + 2, dtype=torch.int64)
+            anywhere = C.step_check(flags, self.host_group, self.check_buffer)
+        else:
+            anywhere = flags
+        start = 0
+        for u in trained:
+            u.keep_used(anywhere[start : start + u.num_trainable])
+            start += u.num_trainable
 
     def settle(self) -> None:
         """End the step: every unit sharded, modules holding their shards again."""
@@ -335,8 +437,11 @@ def _cast_floats(obj, dtype: torch.dtype):
     return _replace_tensors(obj, iter(t.to(dtype) if t.is_floating_point() else t for t in tensors))
 
 
-def _requires_grad(unit: Unit) -> list[bool]:
-    return [p.requires_grad for p in unit.full_params]
+def _reverse_module_order(root: nn.Module, units: list[Unit]) -> list[Unit]:
+    """``units`` in reverse order of their modules in ``root`` (children before parents):
+    roughly the order their gradients complete in backward."""
+    position = {m: i for i, m in enumerate(root.modules())}
+    return sorted((u for u in units if u.num_trainable), key=lambda u: -position[u.module])
 
 
 def _successors(order: list[Unit]) -> dict[Unit, Unit]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -24,8 +25,9 @@ import torch.distributed as dist
 from . import api, checkpoint, groups
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
+from .policies import STRATEGIES
 from .scaler import GradScaler
-from .tools import report
+from .tools import charts, report
 from .tools.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
 from .tools.trace import trace
 from .wrap import by_class, by_size
@@ -48,17 +50,19 @@ class TrainConfig:
     mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 uses shardwise.GradScaler)
     cpu_offload: bool = False  # shards, gradients and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each transformer block after shard() (inductor)
     save_every: int = 0  # optimizer steps between checkpoints (0: none)
     checkpoint_dir: str = "checkpoints"  # where checkpoints are written and --resume looks
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
     report: str = ""  # trace the last steps and write this HTML report (with its traces beside it)
+    loss_curve: str = ""  # draw the loss at each logged step into this PNG (needs matplotlib)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="shardwise train", description=__doc__.splitlines()[0])
     defaults = TrainConfig()
     p.add_argument("--nproc", type=int, default=defaults.nproc, help="ranks on this machine (0: one per GPU, else 2)")
-    p.add_argument("--strategy", choices=api.STRATEGIES, default=defaults.strategy)
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
     p.add_argument("--wrap", choices=("block", "size", "none"), default=defaults.wrap, help="which modules become units")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")
@@ -70,12 +74,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=defaults.mixed_precision)
     p.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (after shard)")
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (0: none)")
     p.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir, help="where checkpoints go and --resume looks")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint, if any")
     p.add_argument("--report", nargs="?", const="report.html", default=defaults.report,
                    help="trace the last 3 steps; write this HTML report (default report.html)")
+    p.add_argument("--loss-curve", nargs="?", const="loss.png", default=defaults.loss_curve,
+                   help="draw the loss curve into this PNG (default loss.png; needs matplotlib)")
     a = p.parse_args(argv)
+    if a.loss_curve and not charts.available():
+        p.error(f"--loss-curve needs matplotlib: {charts.INSTALL}")
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
 
@@ -120,6 +129,10 @@ def worker(cfg: TrainConfig) -> dict:
     )
     if cfg.activation_checkpointing:
         checkpoint_activations(model, by_class(Block))
+    if cfg.compile:  # after shard(): the hooks stay outside the compiled graphs
+        for m in model.modules():
+            if isinstance(m, Block):
+                m.compile()
     scaler = GradScaler(model) if cfg.mixed_precision == "fp16" else None
     # offloaded shards step on the CPU: the fused CPU kernel of AdamW does it in one pass
     opt = torch.optim.AdamW(
@@ -133,7 +146,8 @@ def worker(cfg: TrainConfig) -> dict:
         return {}
     if rank == 0:
         dtype_table(model)
-    bar = Progress(cfg.steps, enabled=rank == 0)
+    bar = Progress(cfg.steps, start, enabled=rank == 0)
+    curve: tuple[list[int], list[float]] = ([], [])  # the logged steps and their losses
     tokens_per_step = cfg.batch_size * world * cfg.seq_len
     step_times, first_loss, loss = [], None, float("nan")
     warmup = start + min(5, (cfg.steps - start) // 4)
@@ -175,6 +189,8 @@ def worker(cfg: TrainConfig) -> dict:
             first_loss = loss if first_loss is None else first_loss
             recent = step_times[-cfg.log_every :]
             bar.update(step + 1, loss, tokens_per_step / (sum(recent) / len(recent)))
+            curve[0].append(step + 1)
+            curve[1].append(loss)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             # written in the background while training goes on; the next save waits for it
             saving = checkpoint.save(
@@ -185,6 +201,10 @@ def worker(cfg: TrainConfig) -> dict:
         saving.wait()
     bar.close()
     tracing.close()  # collective: every rank leaves the trace here
+    if cfg.loss_curve and rank == 0:
+        title = f"{cfg.model_size} GPT, {cfg.strategy}, {world} ranks"
+        charts.loss_curve(*curve, Path(cfg.loss_curve), title)
+        print(f"wrote the loss curve to {cfg.loss_curve}", flush=True)
     if cfg.report and rank == 0:
         tracer.save(Path(cfg.report).with_suffix(".trace.json"))
         tracer.save_chrome(Path(cfg.report).with_suffix(".chrome.json"))
@@ -275,26 +295,37 @@ def _peak_by_category(tracker) -> dict[str, dict[str, int]]:
 
 
 class Progress:
-    """A one-line progress bar on a terminal, plain lines elsewhere (rank 0 only)."""
+    """Rank 0's progress: a tqdm bar (step, loss, tokens/s, ETA) on a terminal; elsewhere, or
+    without tqdm, a plain line per update, which reads well in a log."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
-        self.tty = sys.stdout.isatty()
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if enabled and sys.stdout.isatty() and importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", file=sys.stdout, dynamic_ncols=True
+            )
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        done = int(width * step / self.total)
-        line = (
-            f"step {step:>5}/{self.total} [{'=' * done}{'>' if done < width else ''}"
-            f"{' ' * (width - done - 1)}] loss {loss:6.3f} | {tokens_per_s / 1000:6.1f}k tok/s"
-        )
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+        if self.bar is not None:
+            postfix = f"loss {loss:.3f}, {tokens_per_s / 1000:.1f}k tok/s"
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(step - self.bar.n)
+        elif self.enabled:
+            done = step - self.start
+            eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
+            print(
+                f"step {step:>5}/{self.total}  loss {loss:6.3f}  "
+                f"{tokens_per_s / 1000:6.1f}k tok/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}",
+                flush=True,
+            )
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print(flush=True)
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _mib(n: float) -> str:
@@ -331,7 +362,8 @@ def render_summary(s: dict) -> str:
     cfg = s["config"]
     lines.append(
         f"  mixed precision {cfg['mixed_precision']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
-        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}"
+        f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}, "
+        f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )
     lines += [
         "",

@@ -29,6 +29,7 @@ from . import events
 from .errors import ShardwiseError
 from .layout import Layout
 from .policies import MixedPrecision
+from .streams import Streams
 
 
 class UnitState(Enum):
@@ -101,8 +102,28 @@ class Unit:
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.label = name or "<root>"
+        self.channel = C.channel()  # Note [tagged Gloo messages] in collectives.py
         self.grads_ready = 0  # trainable parameters whose gradient is complete this backward
         self.reduce_issued = False
+        # per trainable parameter: got a gradient on this rank since the last reduction
+        # (no_sync micro-batches included); set by the runtime's gradient hooks
+        self.used: list[bool] = []
+        # per trainable parameter: its .grad was None before this reduction landed
+        self._fresh: list[bool] = []
+
+    def keep_used(self, anywhere: list[bool]) -> None:
+        """After the reduction: a trainable parameter that got a gradient on no rank keeps the
+        ``.grad`` it had before (None, or a kept gradient the reduction added zeros to), as in
+        one process, so the optimizer skips it. ``anywhere`` is the ranks' agreement."""
+        for p, fresh, used in zip(self._grad_holders(), self._fresh, anywhere):
+            if fresh and not used:
+                p.grad = None
+        self._fresh = []
+        self.used = [False] * len(self.used)
+
+    def _grad_holders(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps that get this unit's reduced gradients."""
+        raise NotImplementedError
 
     @property
     def is_root(self) -> bool:
@@ -130,13 +151,19 @@ class ShardedUnit(Unit):
         device: torch.device,
         precision: MixedPrecision,
         offload: bool = False,
-        copy_stream=None,
+        streams: Streams | None = None,
+        replicate=None,
     ):
         super().__init__(module, name, registrations, group)
+        # hybrid sharding: the same-position ranks of the other shard groups, which hold the
+        # same shards; gradients are all-reduced over them after the reduce-scatter
+        self.replicate = replicate
+        self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
         self.num_trainable = sum(requires_grad)
+        self.used = [False] * self.num_trainable
         self.flat_shard = flat_shard  # the master copy; host memory when offloaded
         self.device = device
         self.compute_dtype = precision.compute_dtype(flat_shard.dtype)
@@ -145,7 +172,7 @@ class ShardedUnit(Unit):
         # the gather reads the flat shard directly unless it must first move or change dtype
         # (offloaded: always a copy, even where host and device are the same memory)
         self._direct = not offload and self.compute_dtype == flat_shard.dtype
-        self._copy_stream = copy_stream  # CUDA side stream for host-to-device copies
+        self.streams = streams  # CUDA side streams; None on CPU (Note [stream ordering])
         self.shard_params = [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.shard_views(flat_shard, self.rank), requires_grad)
@@ -172,8 +199,12 @@ class ShardedUnit(Unit):
         self.state = UnitState.SHARDED
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
+        self._gathered = None  # CUDA: the event after the gather, on the gather stream
         self._reduce: C.Pending | None = None
+        self._replica: C.Pending | None = None
         self._reduce_out: torch.Tensor | None = None
+        self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
+        self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
         self._local_grads: list[torch.Tensor] | None = None
         self._swap(self.shard_params)
 
@@ -202,21 +233,35 @@ class ShardedUnit(Unit):
             return
         # the gather receives into rows of its own; the full buffer is allocated only at the
         # wait, for the copy-out
-        if self._copy_stream is not None:  # offload on CUDA: copy and gather off the compute stream
-            self._copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._copy_stream):
-                self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
-                self._gather = C.all_gather(self._send, self.group, self.label)
+        if self.streams is not None:
+            self._gathered = self._gather_on_streams(self.streams)
         else:
             self._send = (
                 self.flat_shard
                 if self._direct
                 else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
             )
-            self._gather = C.all_gather(self._send, self.group, self.label)
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
         self.state = UnitState.GATHERING
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
+
+    def _gather_on_streams(self, s: Streams):
+        """Cast (or copy from pinned host memory) on the copy-in stream, gather on the gather
+        stream; return the event compute waits on before the copy-out (Note [stream ordering])."""
+        compute = s.compute()
+        if self._direct:
+            s.gather.wait_stream(compute)
+            self._send = self.flat_shard
+        else:
+            s.copy_in.wait_stream(compute)
+            with s.use(s.copy_in):
+                self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True, copy=True)
+            s.gather.wait_stream(s.copy_in)
+        with s.use(s.gather):
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
+            self._gather.wait()  # the gather stream waits for it, not the CPU
+            return s.gather.record_event()
 
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
@@ -224,15 +269,13 @@ class ShardedUnit(Unit):
             self.unshard()
         if self.state is UnitState.GATHERING:
             if self._gather is not None:
-                self._gather.wait()
-                rows = self._gather.result
-                if self._copy_stream is not None:
-                    torch.cuda.current_stream().wait_stream(self._copy_stream)
-                    for row in rows:
-                        row.record_stream(torch.cuda.current_stream())
+                if self._gathered is not None:
+                    self.streams.compute().wait_event(self._gathered)
+                else:
+                    self._gather.wait()
                 self._allocate_full()
-                self.layout.unpack(rows, self._flat_full_data)
-            self._send = self._gather = None
+                self.layout.unpack(self._gather.result, self._flat_full_data)
+            self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
             if events.listeners:
@@ -263,7 +306,7 @@ class ShardedUnit(Unit):
             if rg:
                 grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
                 p.grad = None
-        if self.world == 1 and self._direct:  # nothing to reduce: the gradients are the shards'
+        if self.world * self.replicas == 1 and self._direct:  # nothing to reduce: the gradients are the shards'
             self._local_grads = grads
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
@@ -274,18 +317,32 @@ class ShardedUnit(Unit):
         self._predivided = self.reduce_dtype.itemsize < 4
         if self._predivided:
             for row in buf.rows:
-                row.div_(self.world)
+                row.div_(self.world * self.replicas)
         self._reduce_out = buf.out
-        self._reduce = C.reduce_scatter(buf, self.group, self.label) if self.world > 1 else None
+        self._replica = None
+        if self.streams is not None:
+            self._reduce_on_stream(self.streams, buf)
+        else:
+            self._reduce = C.reduce_scatter(buf, self.group, self.label, self.channel) if self.world > 1 else None
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
 
+    def advance_reduce(self) -> None:
+        """Finish the reduce-scatter and, with hybrid sharding, issue the all-reduce of its
+        result across the replicas (no wait)."""
+        if self._reduce is not None:
+            self._reduce.wait()
+            self._reduce = None
+        if self.streams is None and self.replicate is not None and self._reduce_out is not None and self._replica is None:
+            self._replica = C.all_reduce(self._reduce_out, self.replicate, self.label, kind="replica_all_reduce")
+
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, average, and leave ``.grad`` on the shard parameters
-        (in the shards' dtype, in host memory when offloaded)."""
-        shards = [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+        """Wait for the reduction, average, and leave ``.grad`` on the shard parameters (in the
+        shards' dtype, in host memory when offloaded)."""
+        shards = self._grad_holders()
         if self._local_grads is not None:
+            self._fresh = [p.grad is None for p in shards]
             for p, g in zip(shards, self._local_grads):
                 g = g.view(p.shape)
                 if p.grad is None:
@@ -296,29 +353,64 @@ class ShardedUnit(Unit):
             return
         if self._reduce_out is None:
             return
-        if self._reduce is not None:
-            self._reduce.wait()
-        out = self._reduce_out
-        if not self._predivided:
-            out.div_(self.world)
-        master = self.flat_shard
-        if self.offloaded or out.dtype != master.dtype or out.device != master.device:
-            host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
-            out = host.copy_(out, non_blocking=master.is_pinned())
+        out = self._reduced_shard()
         views = self.grad_layout.shard_views(out, self.rank)
+        self._fresh = [p.grad is None for p in shards]
         for p, g in zip(shards, views):
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad += g
-        self._reduce = self._reduce_out = None
+        self._reduce = self._reduce_out = self._replica = None
         if events.listeners:
             events.emit("reduce_done", self.label)
+
+    def _grad_holders(self) -> list[nn.Parameter]:
+        return [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+
+    def _reduce_on_stream(self, s: Streams, buf: C.ScatterRows) -> None:
+        """Reduce-scatter, average and bring the result to the master's dtype and memory on
+        the reduce stream, after the packing on compute (Note [stream ordering])."""
+        s.reduce.wait_stream(s.compute())
+        with s.use(s.reduce):
+            if self.world > 1:
+                # the stream waits for it, not the CPU
+                C.reduce_scatter(buf, self.group, self.label, self.channel).wait()
+            if self.replicate is not None:
+                C.all_reduce(buf.out, self.replicate, self.label, kind="replica_all_reduce").wait()
+            self._reduce_out = self._to_master(buf.out)
+            self._reduced = s.reduce.record_event()
+        self._reduce_rows = buf  # compute allocated them: held until it waits (rule 3)
+
+    def _reduced_shard(self) -> torch.Tensor:
+        """This rank's averaged gradient shard in the master's dtype and memory, once its
+        reduction is complete (compute waits for it; the CPU too when it is in host memory)."""
+        if self._reduced is None:  # CPU: the collectives are waited for here
+            self.advance_reduce()
+            if self._replica is not None:
+                self._replica.wait()
+            return self._to_master(self._reduce_out)
+        self.streams.compute().wait_event(self._reduced)
+        if self._reduce_out.device.type == "cpu":  # offloaded: the CPU optimizer reads it next
+            self._reduced.synchronize()
+        self._reduced = self._reduce_rows = None
+        return self._reduce_out
+
+    def _to_master(self, out: torch.Tensor) -> torch.Tensor:
+        """The summed shard ``out`` averaged (unless divided before the sum), in the master
+        copy's dtype and memory (pinned host memory when offloaded: copied without blocking)."""
+        if not self._predivided and self.world * self.replicas > 1:
+            out.div_(self.world * self.replicas)
+        master = self.flat_shard
+        if self.offloaded or out.dtype != master.dtype or out.device != master.device:
+            host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
+            out = host.copy_(out, non_blocking=master.is_pinned())
+        return out
 
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, as fresh tensors (one blocking all-gather)."""
-        gather = C.all_gather(self.flat_shard.to(self.device), self.group, self.label)
+        gather = C.all_gather(self.flat_shard.to(self.device), self.group, self.label, self.channel)
         gather.wait()
         full = torch.empty(self.layout.unsharded_numel, dtype=self.flat_shard.dtype, device=self.device)
         self.layout.unpack(gather.result, full)
@@ -367,6 +459,7 @@ class ReplicatedUnit(Unit):
             self.state = UnitState.UNSHARDED
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         self.num_trainable = len(self.trainable)
+        self.used = [False] * self.num_trainable
         # no cast either way: one bucket for the unit's life, like DDP's, and the parameters'
         # gradients become its views (DDP's gradient_as_bucket_view): no fresh bucket memory
         # each step, nothing copied back after the all-reduce, kept gradients reduced in place
@@ -406,6 +499,7 @@ class ReplicatedUnit(Unit):
             return
         compute = [self.full_params[i] for i in self.trainable]
         if self._flat_grad is not None:
+            self._fresh = [c.grad is None for c in compute]
             for c, view in zip(compute, self._grad_views):
                 if c.grad is None:
                     view.zero_()
@@ -421,7 +515,7 @@ class ReplicatedUnit(Unit):
                 for c in compute:
                     c.grad = None
         if self.world > 1:
-            self._reduce = C.all_reduce(self._bucket, self.group, self.label)
+            self._reduce = C.all_reduce(self._bucket, self.group, self.label)  # see Runtime.reduce
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self._bucket.numel() * self._bucket.element_size())
@@ -438,8 +532,9 @@ class ReplicatedUnit(Unit):
             if events.listeners:
                 events.emit("reduce_done", self.label)
             return
-        params = [self.params[i] for i in self.trainable]
+        params = self._grad_holders()
         pieces = self._bucket.split([p.numel() for p in params])
+        self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
             b = b.view_as(p).to(p.dtype)
             if p.grad is None:
@@ -451,6 +546,9 @@ class ReplicatedUnit(Unit):
         self._reduce = self._bucket = None
         if events.listeners:
             events.emit("reduce_done", self.label)
+
+    def _grad_holders(self) -> list[nn.Parameter]:
+        return [self.params[i] for i in self.trainable]
 
     def gather_full(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]

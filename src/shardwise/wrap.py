@@ -1,7 +1,8 @@
 """Wrap policies: which submodules become units. A policy is ``callable(module, name) -> bool``.
 
 Units nest: a module selected inside a selected module forms its own inner unit, and each
-parameter belongs to the innermost unit that holds every module using it.
+parameter belongs to the innermost unit that holds every module using it. ``auto(model)``
+picks a policy from the model itself and is the one to reach for first.
 """
 
 from __future__ import annotations
@@ -60,3 +61,44 @@ class by_size:
 
     def __repr__(self) -> str:
         return f"by_size({self.min_params})"
+
+
+def auto(model: nn.Module) -> Policy:
+    """The policy to reach for first: one unit per repeated block of ``model``.
+
+    - A Hugging Face transformers model: the classes its ``_no_split_modules`` names (the
+      decoder layer, e.g. ``LlamaDecoderLayer``; what accelerate's and torch's FSDP wrap
+      by), found anywhere in the tree, so a peft-wrapped model gets them too.
+    - Another model: the class of the blocks of its largest ``nn.ModuleList`` (by parameter
+      count), when they are all of one class (``by_class(Block)`` for a GPT).
+    - Else ``by_size``, with a threshold of 1/8 of the model's parameters.
+
+    The policy returned shows its choice (``print(wrap.auto(model))``).
+    """
+    classes = _no_split_classes(model) or _block_class(model)
+    if classes:
+        return by_class(*classes)
+    total = sum(p.numel() for p in model.parameters())
+    return by_size(max(1, total // 8))
+
+
+def _no_split_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    found: dict[str, type[nn.Module]] = {}
+    for m in model.modules():
+        if type(m).__name__ in names and not isinstance(m, CONTAINERS):
+            found.setdefault(type(m).__name__, type(m))
+    return tuple(found.values())
+
+
+def _block_class(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return ()
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    kinds = {type(m) for m in largest}
+    if len(kinds) != 1 or next(iter(kinds)) in CONTAINERS:
+        return ()
+    return (kinds.pop(),)

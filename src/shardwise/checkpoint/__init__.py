@@ -5,13 +5,15 @@
 
 Modules: files (safetensors I/O, checksums), index (the directory format), commit (crash
 safety), state (the live model and optimizer by name and rows), saving, loading, conversion,
-cli (``shardwise convert``). The format and protocol: docs/checkpoints.md.
+pretrained (Hugging Face export, transformers' names), cli (``shardwise convert``). The format
+and protocol: docs/checkpoints.md.
 """
 
 from .commit import latest
 from .conversion import convert
 from .index import CheckpointError
 from .loading import CheckpointInfo, load, load_full
+from .pretrained import save_pretrained
 from .saving import SaveHandle, save
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "latest",
     "load_full",
     "convert",
+    "save_pretrained",
     "SaveHandle",
     "CheckpointInfo",
     "CheckpointError",

@@ -46,16 +46,9 @@ def convert(
             )
         headers[name] = files.header(path)
     tensors = [t for t in index.tensors.values() if t.kind in ("param", "buffer")]
-    shards: list[list[TensorRecord]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + _nbytes(t) > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += _nbytes(t)
-    n = len(shards)
-    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
+    shards = [[tensors[i] for i in g] for g in groups]
+    names = file_names(len(shards))
     out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         fds = {}
@@ -67,17 +60,42 @@ def convert(
                 files.Entry(t.name, t.dtype, t.shape, _bytes_of(t, fds, headers)) for t in shard
             ]
             files.write(out / name, entries, metadata={"format": "pt"})
-    if n > 1:
-        weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-        total = sum(_nbytes(t) for t in tensors)
-        (out / INDEX).write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
-        names.append(INDEX)
-    return [out / name for name in names]
+    return [out / name for name in names] + write_weight_map(out, names, shards)
 
 
-def _nbytes(t: TensorRecord) -> int:
+def split_files(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive tensors (by their sizes in bytes) grouped into files of at most
+    ``max_bytes`` each (a larger tensor gets a file of its own); the indices per file."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(sizes):
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def file_names(n: int) -> list[str]:
+    """Hugging Face's names for a model in ``n`` safetensors files."""
+    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_weight_map(out: Path, names: list[str], shards: list[list]) -> list[Path]:
+    """For more than one file, ``model.safetensors.index.json``: which file holds each tensor
+    (items with ``name``, ``dtype`` and ``shape``); the paths written."""
+    if len(names) == 1:
+        return []
+    weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+    total = sum(_nbytes(t) for shard in shards for t in shard)
+    (out / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return [out / INDEX]
+
+
+def _nbytes(t) -> int:
     n = t.dtype.itemsize
     for d in t.shape:
         n *= d

@@ -85,10 +85,11 @@ def write(
 ) -> tuple[int, str]:
     """Write a safetensors file and fsync it; return its size in bytes and its CRC-32 (hex).
 
-    Tensors are laid out widest dtype first, then by name (as safetensors' own writer does),
-    which keeps every tensor aligned to its element size.
+    Tensors are laid out widest dtype first (as safetensors' own writer does), which keeps
+    every tensor aligned to its element size, and in the given order within a width: parts
+    are asked for in that order (a Hugging Face export gathers one unit at a time by it).
     """
-    entries = sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
+    entries = sorted(entries, key=lambda e: -e.dtype.itemsize)
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for e in entries:

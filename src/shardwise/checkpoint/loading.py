@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
 
-from . import files
+from . import files, pretrained
 from .index import CheckpointError, Index, Piece, TensorRecord, read_index
 from .saving import finish_pending
 from .state import ParamSlot, optimizer_names, param_slots, persistent_buffers, runtime_of
@@ -412,17 +413,28 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
     stored under any of its names); values are cast to the parameters' dtypes, as
     ``load_full_state_dict`` does. A missing, extra or misshapen tensor raises on every rank
     before anything is changed.
+
+    A transformers model (one with a ``config`` and a ``base_model_prefix``) loads as its
+    ``from_pretrained`` would: checkpoint names are mapped as transformers maps them
+    (``pretrained.model_names``), and tensors the checkpoint lacks keep their values while
+    tensors the model lacks are ignored, each with a warning on rank 0 (a task head that the
+    checkpoint does not hold stays as initialised). A peft model takes the checkpoint of the
+    model it adapts; its adapters keep their values. A checkpoint that matches nothing raises.
     """
     rt = runtime_of(model, "load_full")
     finish_pending(model)
     group = rt.units[0].group
     path = Path(path)
+    hf = pretrained.is_transformers(model)
+    missing: list[str] = []
+    extra: list[str] = []
     with ExitStack() as stack:
         plan = _Plan(stack, None, None)
         try:
             where = _standard_files(path)
+            renamed = pretrained.model_names(model, list(where)) if hf else {n: n for n in where}
+            stored_as = {m: s for s, m in renamed.items()}  # model name -> checkpoint name
             used: set[str] = set()
-            missing: list[str] = []
             targets = [
                 (s.name, (s.name, *s.aliases), s.shape, s.held, s.rows_view(s.tensor.detach()))
                 for s in param_slots(rt)
@@ -432,7 +444,7 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
                 rows = shape[0] if shape else 1
                 targets.append((name, (name,), shape, (0, rows), b.detach().view(rows, *shape[1:])))
             for name, names, shape, (lo, hi), dest in targets:
-                present = [n for n in names if n in where]
+                present = [stored_as[n] for n in names if n in stored_as]
                 if not present:
                     missing.append(name)
                     continue
@@ -440,10 +452,12 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
                 stored = present[0]
                 rows = shape[0] if shape else 1
                 plan.rows(stored, shape, None, [Piece(str(where[stored]), 0, rows)], lo, hi, dest)
-            if missing:
-                plan.problem(f"tensors missing from {path}: {_names(missing)}")
             extra = sorted(set(where) - used)
-            if extra:
+            if hf and not used:
+                plan.problem(f"{path} holds none of the model's tensors: it has {_names(extra)}")
+            if missing and not hf:
+                plan.problem(f"tensors missing from {path}: {_names(missing)}")
+            if extra and not hf:
                 plan.problem(f"{path} has tensors the model does not: {_names(extra)}")
         except Exception as e:  # any rank's failure must reach the others: see _agree
             plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
@@ -451,3 +465,17 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
         with torch.no_grad():
             for copy in plan.copies:
                 copy()
+    if hf and dist.get_rank(group) == 0:
+        adapters = set(pretrained.adapter_only(model, missing))
+        missing = [n for n in missing if n not in adapters]  # a base checkpoint has none
+        if missing:
+            warnings.warn(
+                f"{path} has no values for {_names(missing)}: they keep their initial values, "
+                "as transformers' from_pretrained leaves them newly initialised",
+                stacklevel=2,
+            )
+        if extra:
+            warnings.warn(
+                f"{path} has tensors the model does not use, ignored: {_names(extra)}",
+                stacklevel=2,
+            )

@@ -15,7 +15,7 @@ moves them, as ``shardwise.comm_stats`` books its own), and memory is torch's ``
 CPU or ``torch.cuda.max_memory_allocated`` on CUDA. First-step losses must agree across systems.
 On a shared machine it waits for other processes to go quiet before each visit and redoes a
 visit they disturbed (``--quiet``; Linux ``/proc/stat``). Results: a markdown table on stdout,
-``bench.json``, ``bench.md`` and ``bench.png`` (drawn without a plotting library) in ``--out``.
+``bench.json``, ``bench.md`` and ``bench.png`` (matplotlib, from the tools extra) in ``--out``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import math
 import os
 import platform
 import statistics
-import struct
 import sys
 import time
 import warnings
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -46,6 +44,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
+from ..collectives import step_check_nbytes
+from . import charts
 
 SYSTEMS = (
     "floor",
@@ -78,6 +78,7 @@ class BenchConfig:
     warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
     systems: tuple[str, ...] = SYSTEMS  # which systems to run (comma-separated on the CLI)
     mixed_precision: str = "none"  # none | bf16 (autocast for DDP and the floor)
+    compile: bool = False  # torch.compile every block of every system alike (inductor)
     seed: int = 0  # model initialisation and data
     threads: int = 1  # intra-op threads per rank (OMP_NUM_THREADS)
     out: str = "bench-out"  # directory for bench.json, bench.md and bench.png
@@ -121,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="comma-separated subset of: " + ", ".join(SYSTEMS),
     )
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile each block of every system alike"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -161,6 +165,7 @@ class Workload:
     tokens_per_step: int  # over all ranks (rows, for mlp)
     num_params: int
     root_params: int  # parameters outside every block: the root unit's
+    trained_tensors: int  # parameters that train: one flag each in shardwise's step check
 
 
 def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
@@ -213,7 +218,8 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     total = sum(p.numel() for p in probe.parameters())
     in_blocks = {id(p) for m in probe.modules() if isinstance(m, block) for p in m.parameters()}
     root = sum(p.numel() for p in probe.parameters() if id(p) not in in_blocks)
-    return Workload(build, block, batches, loss, tokens, total, root)
+    trained = sum(p.requires_grad for p in probe.parameters())
+    return Workload(build, block, batches, loss, tokens, total, root, trained)
 
 
 def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh):
@@ -249,6 +255,8 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    if cfg.compile:
+        _compile_blocks(model, work.block)
     if bf16 and kind in ("ddp", "floor"):
 
         def autocast():
@@ -256,6 +264,15 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt, autocast
+
+
+def _compile_blocks(model: nn.Module, block: type[nn.Module]) -> None:
+    """Compile each block of a freshly built system (its first warm-up step compiles), from
+    an empty dynamo cache: no system reuses another's graphs or meets the recompile limit."""
+    torch._dynamo.reset()
+    for m in model.modules():
+        if isinstance(m, block):
+            m.compile()
 
 
 def train_step(model, opt, autocast, work: Workload, x, y) -> torch.Tensor:
@@ -318,6 +335,7 @@ def run_rank(cfg: BenchConfig) -> dict:
         "ranks": everyone,
         "num_params": work.num_params,
         "root_params": work.root_params,
+        "trained_tensors": work.trained_tensors,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
         "machine": _machine(device.type),
@@ -434,13 +452,15 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]
-            if name in self.OPS:
+            if name == "send":  # point to point: the message's own bytes
+                self.bytes["send"] = self.bytes.get("send", 0) + sum(_nbytes(t) for t in args[0])
+            elif name in self.OPS:
                 kind, i = self.OPS[name]
                 full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
                 factor = 2 if kind == "all_reduce" else 1
                 moved = factor * full * (self.world - 1) // self.world
                 self.bytes[kind] = self.bytes.get(kind, 0) + moved
-            elif name not in ("barrier", "monitored_barrier_"):
+            elif name not in ("barrier", "monitored_barrier_", "recv_"):
                 self.unknown.add(name)
         return func(*args, **(kwargs or {}))
 
@@ -538,11 +558,14 @@ def _tracked_peak(model, opt, kept: list[torch.Tensor], autocast, work: Workload
 
 
 # --------------------------------------------------------------------------- summary
-def _theory(system: str, psi: int, root: int, world: int, b_gather: int, b_reduce: int) -> int:
+def _theory(
+    system: str, psi: int, root: int, trained: int, world: int, b_gather: int, b_reduce: int
+) -> int:
     """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
     full shard gathers every unit twice, less the root's backward gather (the root stays
     gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
-    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b)."""
+    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). shardwise
+    adds its step check: one all-reduce of a flag per trained parameter and two numbers."""
     if system == "floor":
         return 0
     if system.endswith("full_shard"):
@@ -551,7 +574,8 @@ def _theory(system: str, psi: int, root: int, world: int, b_gather: int, b_reduc
         gathered = psi * b_gather + psi * b_reduce
     else:
         gathered = 2 * psi * b_reduce
-    return gathered * (world - 1) // world
+    check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
+    return gathered * (world - 1) // world + check
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -600,6 +624,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
                 name,
                 results["num_params"],
                 results["root_params"],
+                results["trained_tensors"],
                 world,
                 b_gather,
                 4,
@@ -678,7 +703,9 @@ def render_markdown(summary: dict) -> str:
         f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
         + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")
         + (f" of a {c['vocab_size']}-token vocabulary" if c.get("vocab_size", 256) != 256 else "")
-        + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}; "
+        + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}"
+        + (", every block compiled (torch.compile)" if c.get("compile") else "")
+        + "; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",
         "",
@@ -715,139 +742,20 @@ def render_markdown(summary: dict) -> str:
 
 
 def report(summary: dict, out: str) -> None:
-    """Print the table; write bench.json, bench.md and bench.png; fail if the losses differ."""
+    """Print the table; write bench.json, bench.md and bench.png (with matplotlib); fail if
+    the losses differ."""
     md = render_markdown(summary)
     print(md, flush=True)
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     (d / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     (d / "bench.md").write_text(md + "\n")
-    write_png(d / "bench.png", bar_chart(summary))
-    print(f"\nwrote {d / 'bench.json'}, {d / 'bench.md'}, {d / 'bench.png'}", flush=True)
+    written = [d / "bench.json", d / "bench.md"]
+    if charts.available():
+        charts.bench_chart(summary, d / "bench.png")
+        written.append(d / "bench.png")
+    else:
+        print(f"\nno chart: matplotlib is not installed ({charts.INSTALL})", flush=True)
+    print(f"\nwrote {', '.join(map(str, written))}", flush=True)
     if not summary["loss_check"]["ok"]:
         raise SystemExit(f"first-step losses disagree: {summary['loss_check']['worst']}")
-
-
-# --------------------------------------------------------------------------- PNG bar chart
-# A 5x7 bitmap font (upper case; lower case is drawn as upper): each glyph is seven rows of
-# five bits, as hex pairs. The chart is drawn with no plotting library, so it always renders.
-_FONT_HEX = (
-    "A0e11111f111111 B1e11111e11111e C0e11101010110e D1e11111111111e E1f10101e10101f "
-    "F1f10101e101010 G0e11101711110f H1111111f111111 I0e04040404040e J0702020202120c "
-    "K11121418141211 L1010101010101f M111b1515111111 N11111915131111 O0e11111111110e "
-    "P1e11111e101010 Q0e11111115120d R1e11111e141211 S0f10100e01011e T1f040404040404 "
-    "U1111111111110e V11111111110a04 W1111111515150a X11110a040a1111 Y11110a04040404 "
-    "Z1f01020408101f 00e11131519110e 1040c040404040e 20e11010204081f 31e01010e01011e "
-    "402060a121f0202 51f101e0101110e 60608101e11110e 71f010204080808 80e11110e11110e "
-    "90e11110f01020c .00000000000c0c /01010204081010 _0000000000001f -0000001f000000 "
-    "(02040808080402 )08040202020408 %18190204081303 :000c0c000c0c00 ,000000000c0408"
-)
-_FONT = {g[0]: bytes.fromhex(g[1:]) for g in _FONT_HEX.split()}
-_COLORS = {
-    "shardwise": (31, 119, 180),
-    "fsdp2": (255, 127, 14),
-    "ddp": (44, 160, 44),
-    "floor": (127, 127, 127),
-}
-
-
-class Canvas:
-    """An RGB image in memory with filled rectangles and bitmap text."""
-
-    def __init__(self, width: int, height: int):
-        self.width, self.height = width, height
-        self.pixels = bytearray(b"\xff" * (width * height * 3))
-
-    def rect(self, x: int, y: int, w: int, h: int, color: tuple[int, int, int]) -> None:
-        x0, y0, x1, y1 = max(0, x), max(0, y), min(self.width, x + w), min(self.height, y + h)
-        if x1 <= x0:
-            return
-        row = bytes(color) * (x1 - x0)
-        for yy in range(y0, y1):
-            i = (yy * self.width + x0) * 3
-            self.pixels[i : i + len(row)] = row
-
-    def text(
-        self, x: int, y: int, s: str, color: tuple[int, int, int] = (0, 0, 0), scale: int = 2
-    ) -> int:
-        """Draw ``s`` with its top-left corner at (x, y); return the x after it."""
-        for ch in s.upper():
-            for r, bits in enumerate(_FONT.get(ch, bytes(7))):
-                for c in range(5):
-                    if bits & (0x10 >> c):
-                        self.rect(x + c * scale, y + r * scale, scale, scale, color)
-            x += 6 * scale
-        return x
-
-    def png(self) -> bytes:
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return (
-                struct.pack(">I", len(data))
-                + kind
-                + data
-                + struct.pack(">I", zlib.crc32(kind + data))
-            )
-
-        stride = self.width * 3
-        raw = b"".join(
-            b"\x00" + bytes(self.pixels[y * stride : (y + 1) * stride]) for y in range(self.height)
-        )
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return (
-            b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw, 9))
-            + chunk(b"IEND", b"")
-        )
-
-
-def bar_chart(summary: dict) -> Canvas:
-    """Two panels of horizontal bars: median step time (with its p25-p75 range) and peak
-    memory per rank, one bar per system, coloured by library."""
-    rows = summary["systems"]
-    panels = [
-        ("median step time (ms), p25-p75", "median_ms", 1.0, ".0f"),
-        ("peak memory per rank (MiB)", "peak_bytes", 2**-20, ".1f"),
-    ]
-    label_w = 12 * max(len(n) for n in rows) + 30
-    bar_w, row_h, pad = 520, 26, 14
-    width = label_w + bar_w + 130
-    panel_h = 36 + row_h * len(rows)
-    c = Canvas(width, 40 + len(panels) * (panel_h + pad))
-    cfg = summary["config"]
-    c.text(
-        pad,
-        10,
-        f"{cfg['model']} model, {summary['world_size']} ranks, {summary['machine'].split(',')[-1].strip()}",
-    )
-    y = 40
-    for title, key, scale, spec in panels:
-        c.text(pad, y + 6, title, (60, 60, 60))
-        top = (
-            max(rows[n].get("p75_ms" if key == "median_ms" else key, 0) * scale for n in rows)
-            or 1.0
-        )
-        yy = y + 34
-        for name, r in rows.items():
-            v = r[key] * scale
-            color = _COLORS[name.partition("/")[0]]
-            c.text(pad, yy + 5, name)
-            w = int(bar_w * v / top)
-            c.rect(label_w, yy + 2, max(w, 1), row_h - 6, color)
-            if key == "median_ms":
-                lo, hi = int(bar_w * r["p25_ms"] / top), int(bar_w * r["p75_ms"] / top)
-                c.rect(label_w + lo, yy + row_h // 2 - 2, max(hi - lo, 1), 3, (0, 0, 0))
-            c.text(
-                label_w
-                + max(w, int(bar_w * r.get("p75_ms", 0) / top) if key == "median_ms" else w)
-                + 8,
-                yy + 5,
-                format(v, spec),
-            )
-            yy += row_h
-        y += panel_h + pad
-    return c
-
-
-def write_png(path: Path, canvas: Canvas) -> None:
-    path.write_bytes(canvas.png())

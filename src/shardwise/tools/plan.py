@@ -271,7 +271,7 @@ def _estimate(
         peak=device[top],
         peak_at=labels[top],
         host=max(r["peak"] for r in step) if offload else 0,
-        comm={k: rank["comm"][k]["bytes"] for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        comm={k: c["bytes"] for k, c in rank["comm"].items() if k != "broadcast"},
         phases=phases,
     )
 

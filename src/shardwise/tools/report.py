@@ -18,6 +18,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from ..collectives import step_check_nbytes
 from . import trace as T
 
 TEMPLATE = "report_template.html"
@@ -152,16 +153,21 @@ def figures(data: dict, index: int) -> dict:
             "all_reduce": 0,
         }
         formula = f"({gathers}*b_gather + b_reduce)*psi*(N-1)/N"
+    # the step check: one all-reduce of a flag per trained parameter and two numbers
+    trained = sum(u.get("trained", 0) for u in units)
+    theory["step_check"] = 2 * step_check_nbytes(trained) * (n - 1) // n if n > 1 else 0
+    formula += " + step check"
     sent, blocked, comm_time, step_time = [], [], [], []
     for r in data["ranks"]:
         start, end = r["steps"][index]
-        by_kind = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
+        by_kind = dict.fromkeys(theory, 0)
         wait = 0.0
         for e in r["events"]:
             if e[1] == "collective" and start <= e[0] <= end:
                 kind, payload = e[3], e[4]
                 if kind in by_kind:
-                    by_kind[kind] += (2 if kind == "all_reduce" else 1) * payload * (n - 1) // n
+                    twice = kind in ("all_reduce", "step_check")
+                    by_kind[kind] += (2 if twice else 1) * payload * (n - 1) // n
                 wait += e[6]
         spans = [
             s for s in T.spans(r, units) if s["track"] != "compute" and start <= s["start"] <= end

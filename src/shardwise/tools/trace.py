@@ -112,16 +112,11 @@ class _Allocations:
         if key not in self._watched:
             self._watched[key] = weakref.ref(st, partial(self._on_free, key, ptr, time.time_ns()))
 
-    def watch_work(self, work) -> None:
-        """Watch the buffers of a completed collective, which the tracer held on to since its
-        issue: the last reference to them (e.g. a reduce-scatter's input) may go on the
-        collective's worker thread."""
-        try:
-            value = work.get_future().value()
-        except RuntimeError:  # a failed collective: its wait raises
-            return
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+    def watch_buffers(self, tensors: list[torch.Tensor]) -> None:
+        """Watch the buffers of a collective just issued: the last reference to them (e.g. a
+        reduce-scatter's rows) may go on the backend's worker thread, with its work."""
+        for t in tensors:
+            if t.device.type == "cpu":
                 st = t.untyped_storage()
                 if st.nbytes():
                     self.watch(st, st.data_ptr())
@@ -188,7 +183,7 @@ class _FakeAllocations(TorchDispatchMode):
     def watch(self, st: torch.UntypedStorage, key: int) -> None:
         pass  # every free is logged already
 
-    def watch_work(self, work) -> None:
+    def watch_buffers(self, tensors: list[torch.Tensor]) -> None:
         pass
 
     def settle(self, keep: set[int]) -> None:
@@ -325,6 +320,8 @@ class _Known:
                         _add(out, "gathered", row)  # the receive rows, not this rank's shard
                 _add(out, "gathered", u._send)
                 _add(out, "gradients", u._reduce_out)
+                for row in u._reduce_rows.rows if u._reduce_rows is not None else ():  # CUDA: held in flight
+                    _add(out, "gradients", row)
                 for g in getattr(u, "_local_grads", None) or ():  # one rank: no reduction
                     _add(out, "gradients", g)
                 if u.grads_ready or accumulating:  # full gradients exist only in backward
@@ -433,8 +430,7 @@ class Trace:
         )
         self._pending: list = []  # CPU samples, completed from the log at the end
         self._handles = []
-        # id(Pending) -> stream, unit, it, and on CPU its works (see _Allocations.watch_work)
-        self._flight: dict[int, tuple[str, int, object, list]] = {}
+        self._flight: dict[int, tuple[str, int, object]] = {}  # id(Pending) -> stream, unit, it
         self._t0 = 0.0
 
     # --- recording
@@ -479,7 +475,7 @@ class Trace:
             self._sample(time.perf_counter())
         finally:
             log = self._log.stop() if self._log is not None else None
-            self._flight.clear()  # (holds collectives' works on CPU)
+            self._flight.clear()
             for h in self._handles:
                 h.remove()
         if log is not None:
@@ -537,19 +533,18 @@ class Trace:
         if name in ("gather_issue", "reduce_issue") and unit >= 0:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
-                works = list(p.works or ()) if self._log is not None else []
-                self._flight[id(p)] = (name.split("_")[0], unit, p, works)
+                self._flight[id(p)] = (name.split("_")[0], unit, p)
+                if self._log is not None:  # (see _Allocations.watch_buffers)
+                    self._log.watch_buffers(_tensors((p.result, p.buffers), []))
         self._poll(rel)
         self._sample(t)
 
     def _poll(self, rel: float) -> None:
         """Note the collectives that completed since the last event (see the module doc)."""
-        for key, (stream, unit, p, works) in list(self._flight.items()):
+        for key, (stream, unit, p) in list(self._flight.items()):
             if p.completed():
                 del self._flight[key]
                 self._events.append([rel, stream + "_complete", unit])
-                for w in works:
-                    self._log.watch_work(w)
 
     def _sample(self, t: float) -> None:
         """One memory sample per device: categories, and the peak total since the last one."""
@@ -660,6 +655,7 @@ def _unit_info(u: Unit) -> dict:
             "kind": "sharded",
             "dtype": _dtype(u.flat_shard.dtype),
             "params": u.layout.numel,
+            "trained": u.num_trainable,
             "shard_bytes": u.flat_shard.numel() * u.flat_shard.element_size(),
             "gathered_bytes": u.layout.unsharded_numel * item,
         }
@@ -669,6 +665,7 @@ def _unit_info(u: Unit) -> dict:
         "kind": "replicated",
         "dtype": _dtype(u.params[0].dtype) if u.params else "float32",
         "params": numel,
+        "trained": u.num_trainable,
         "shard_bytes": sum(p.numel() * p.element_size() for p in u.params),
         "gathered_bytes": numel * u.compute_dtype.itemsize if u.casts else 0,
     }

@@ -1,0 +1,304 @@
+"""Hugging Face layouts: a sharded model exported as a directory that transformers' (and
+peft's) ``from_pretrained`` loads, and a checkpoint's names mapped as transformers maps them.
+
+    shardwise.save_pretrained(model, "out")             # collective; rank 0 writes
+    AutoModelForCausalLM.from_pretrained("out")          # anywhere, unsharded
+
+The export streams: units are gathered one at a time, in the order their tensors go into the
+files, and rank 0 writes each tensor when the writer reaches it (``files.write`` asks for a
+tensor's bytes only then), so no rank holds more than one unit's full parameters at once.
+transformers and peft are imported only inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import ShardwiseError
+from ..runtime import Runtime
+from ..unit import Unit
+from . import files
+from .conversion import file_names, split_files, write_weight_map
+from .index import CheckpointError
+from .saving import finish_pending
+from .state import param_slots, persistent_buffers, runtime_of
+
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's name for an adapter's weights
+_PEFT_PREFIX = "base_model.model."  # where a peft model keeps the model it adapts
+
+
+@dataclass(frozen=True)
+class _Out:
+    """One tensor of the export: where it comes from and how it is stored."""
+
+    name: str  # as stored
+    dtype: torch.dtype  # as stored
+    shape: tuple[int, ...]
+    unit: int | None  # the unit whose parameter it is (None: a buffer, whole on every rank)
+    index: int  # the parameter's slot in its unit
+    buffer: torch.Tensor | None = None
+
+
+def save_pretrained(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write a sharded transformers model as a directory that ``from_pretrained`` loads.
+
+    Collective: every rank gathers one unit at a time and rank 0 writes, so rank 0's extra
+    memory is about the largest unit. The directory holds the weights under the model's
+    state-dict names (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files
+    of at most ``max_shard_bytes`` and ``model.safetensors.index.json``), a tied weight once,
+    frozen parameters and persistent buffers included, in the parameters' dtype or in
+    ``dtype`` (floating-point tensors only); and ``config.json`` (its dtype set to the one
+    stored) and ``generation_config.json`` when the model generates.
+
+    A peft model gets peft's adapter layout beside its base model: ``adapter_config.json``
+    and ``adapter_model.safetensors`` (loadable with ``PeftModel.from_pretrained(base,
+    path)``), and the base model's weights under the names of the model before peft, so
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads the base and attaches the adapter.
+    Returns ``path``. A failure on rank 0 raises CheckpointError on every rank.
+    """
+    rt = runtime_of(model, "save_pretrained")
+    finish_pending(model)
+    path = Path(path)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ShardwiseError(f"save_pretrained(dtype={dtype}) must be a floating-point dtype")
+    tensors = list(_tensors(model, rt, dtype))
+    peft = _is_peft(model)
+    if peft:
+        adapter_names, base_names = _peft_names(model, tensors)
+        adapter = [_renamed(t, adapter_names[t.name]) for t in tensors if t.name in adapter_names]
+        tensors = [_renamed(t, base_names[t.name]) for t in tensors if t.name in base_names]
+    groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
+    layout = [(n, [tensors[i] for i in g]) for n, g in zip(file_names(len(groups)), groups)]
+    if peft:
+        layout.append((ADAPTER_FILE, adapter))
+    # each file's tensors in the order the writer takes them: the units' gathering order
+    layout = [(n, sorted(ts, key=lambda t: -t.dtype.itemsize)) for n, ts in layout]
+    order = [t.unit for _, ts in layout for t in ts if t.unit is not None]
+    feed = _Feed(rt.units, [u for i, u in enumerate(order) if i == 0 or order[i - 1] != u])
+    problem = ""
+    if dist.get_rank() == 0:  # runtime_of checked that the model is sharded over the world
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            for name, ts in layout:
+                entries = [files.Entry(t.name, t.dtype, t.shape, _parts(t, feed)) for t in ts]
+                files.write(path / name, entries, metadata={"format": "pt"})
+            weights = [(n, ts) for n, ts in layout if n != ADAPTER_FILE]
+            write_weight_map(path, [n for n, _ in weights], [ts for _, ts in weights])
+            _write_configs(model, path, tensors)
+        except Exception as e:  # reported to every rank below, once they have all finished
+            problem = f"{type(e).__name__}: {e}"
+    feed.drain()
+    outcome = [problem]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise CheckpointError(f"save_pretrained to {path} failed on rank 0: {outcome[0]}")
+    return path
+
+
+class _Feed:
+    """Units' full parameters, one unit at a time, gathered in an order every rank shares
+    (each gather is a collective): rank 0 asks for them as it writes, the others drain."""
+
+    def __init__(self, units: list[Unit], order: list[int]):
+        self.units = units
+        self.order: Iterator[int] = iter(order)
+        self.current: int | None = None
+        self.full: list[torch.Tensor] = []
+
+    def get(self, unit: int) -> list[torch.Tensor]:
+        while self.current != unit:
+            self.full = []  # dropped before the next gather
+            self.current = next(self.order)
+            self.full = self.units[self.current].gather_full()
+        return self.full
+
+    def drain(self) -> None:
+        self.full = []
+        for u in self.order:
+            self.units[u].gather_full()
+
+
+def _parts(t: _Out, feed: _Feed):
+    def parts():
+        src = t.buffer if t.unit is None else feed.get(t.unit)[t.index]
+        yield src.detach().to("cpu", t.dtype)
+
+    return parts
+
+
+def _tensors(model: nn.Module, rt: Runtime, dtype: torch.dtype | None) -> Iterator[_Out]:
+    """The parameters, unit by unit (a tied one once, under its first name), then the
+    persistent buffers."""
+
+    def stored(d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    slots = {s.name: s for s in param_slots(rt)}
+    for ui, unit in enumerate(rt.units):
+        firsts: dict[int, str] = {}
+        for r in unit.registrations:
+            firsts.setdefault(r.index, r.fqn)
+        for i in range(len(firsts)):
+            s = slots[firsts[i]]
+            yield _Out(s.name, stored(s.tensor.dtype), s.shape, ui, i)
+    for name, b in persistent_buffers(model).items():
+        yield _Out(name, stored(b.dtype), tuple(b.shape), None, 0, b)
+
+
+def _renamed(t: _Out, name: str) -> _Out:
+    return _Out(name, t.dtype, t.shape, t.unit, t.index, t.buffer)
+
+
+def _nbytes(t: _Out) -> int:
+    n = t.dtype.itemsize
+    for d in t.shape:
+        n *= d
+    return n
+
+
+# --- peft
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each name of a peft model -> its name in peft's adapter file, or in the base model's
+    files (the name it had before peft: no ``base_model.model.`` prefix, no ``base_layer``)."""
+    adapter = _adapter_names(model, [t.name for t in tensors])
+    base = {}
+    for t in tensors:
+        if t.name in adapter or ".modules_to_save." in t.name:
+            continue
+        if not t.name.startswith(_PEFT_PREFIX):
+            raise NotImplementedError(
+                f"peft model tensor '{t.name}' is not under '{_PEFT_PREFIX}': save_pretrained "
+                "exports adapters of the LoRA family, which keep the model at that place"
+            )
+        name = t.name.removeprefix(_PEFT_PREFIX)
+        base[t.name] = name.replace(".base_layer.", ".").replace(".original_module.", ".")
+    return adapter, base
+
+
+def _adapter_names(
+    model: nn.Module, names: list[str], adapter: str | None = None
+) -> dict[str, str]:
+    """The tensors of one adapter (the only one, unless named) among ``names`` -> their names
+    in peft's adapter file: peft's own mapping (``get_peft_model_state_dict``), asked of empty
+    tensors on the meta device."""
+    from peft.utils import get_peft_model_state_dict
+
+    if adapter is None:
+        adapters = list(model.peft_config)
+        if len(adapters) != 1:
+            raise NotImplementedError(
+                f"save_pretrained writes one peft adapter; the model has {adapters}: delete "
+                "the others first (model.delete_adapter(name))"
+            )
+        adapter = adapters[0]
+    probes = {n: torch.empty(0, device="meta") for n in names}
+    got = get_peft_model_state_dict(
+        model, state_dict=probes, adapter_name=adapter, save_embedding_layers=False
+    )
+    back = {id(v): k for k, v in probes.items()}
+    return {back[id(v)]: k for k, v in got.items()}
+
+
+# --- configs
+def _write_configs(model: nn.Module, path: Path, tensors: list[_Out]) -> None:
+    """config.json with the dtype stored, generation_config.json when the model generates,
+    and a peft model's adapter_config.json."""
+    base = model.get_base_model() if _is_peft(model) else model
+    config = getattr(base, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
+        if floats:
+            config.dtype = max(set(floats), key=floats.count)
+        config.save_pretrained(path)
+    generation = getattr(base, "generation_config", None)
+    can_generate = getattr(base, "can_generate", None)
+    if generation is not None and can_generate is not None and can_generate():
+        generation.save_pretrained(path)
+    if _is_peft(model):
+        (adapter,) = model.peft_config.values()
+        adapter = copy.deepcopy(adapter)
+        adapter.inference_mode = True
+        adapter.save_pretrained(path)
+
+
+# --- loading: checkpoint names as transformers maps them
+def is_transformers(model: nn.Module) -> bool:
+    """A transformers model (duck-typed: a config and a base-model prefix)."""
+    return hasattr(model, "config") and hasattr(model, "base_model_prefix")
+
+
+def model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
+    """Each checkpoint name -> the model's name for it, as transformers' ``from_pretrained``
+    maps them: its renamings for the model (legacy ``LayerNorm.gamma`` -> ``.weight`` and the
+    model's own), and the base-model prefix added or removed (a ``LlamaModel`` checkpoint
+    into a ``LlamaForCausalLM`` and back). For a peft model, the names of the model it adapts
+    (a base checkpoint into a model whose layers peft wrapped). A name that needs one of
+    transformers' tensor conversions (fused or split tensors) raises: those cannot be read
+    row by row."""
+    if _is_peft(model):
+        inner = model.get_base_model()
+        before = {n.replace(".base_layer.", "."): n for n in inner.state_dict()}
+        mapped = _transformers_names(inner, stored, before)
+        return {s: _PEFT_PREFIX + before.get(m, m) for s, m in mapped.items()}
+    return _transformers_names(model, stored, model.state_dict())
+
+
+def adapter_only(model: nn.Module, names: list[str]) -> list[str]:
+    """Which of ``names`` are a peft model's adapters, which no base checkpoint holds."""
+    if not _is_peft(model):
+        return []
+    return [n for a in model.peft_config for n in _adapter_names(model, names, a)]
+
+
+def _transformers_names(model: nn.Module, stored: list[str], known) -> dict[str, str]:
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError as e:
+        raise CheckpointError(
+            f"loading a transformers checkpoint needs transformers>=5 ({e}): "
+            'pip install "shardwise[hf]"'
+        ) from e
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    known = dict.fromkeys(known, True)
+    out, converted = {}, []
+    for name in stored:
+        renamed, pattern = rename_source_key(
+            name, renamings, converters, model.base_model_prefix, known
+        )
+        if pattern is not None:
+            converted.append(f"'{name}' ({pattern})")
+        out[name] = renamed
+    if converted:
+        raise CheckpointError(
+            "tensors that transformers converts on loading (fused or split), which cannot be "
+            f"read row by row: {', '.join(converted[:5])}. Load the model once with "
+            "from_pretrained and write it with its save_pretrained, then load that directory."
+        )
+    return out
