@@ -53,16 +53,46 @@ def test_config_rejects_unknown_systems():
         bench.parse_args(["--systems", "floor,megatron"])
 
 
+def test_strategy_picks_the_systems_to_compare():
+    cfg = bench.parse_args(["--strategy", "hybrid_shard", "--shard-size", "2"])
+    assert cfg.systems == ("floor", "ddp", "fsdp2/hybrid_shard", "shardwise/hybrid_shard")
+    assert bench.parse_args(["--strategy", "no_shard"]).systems == ("floor", "ddp", "shardwise/no_shard")
+    assert bench.parse_args([]).systems == bench.SYSTEMS
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--strategy", "full_shard", "--systems", "floor"])
+
+
+def test_bench_hybrid_against_fsdp2_hsdp_on_the_same_mesh(pools, tmp_path):
+    argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--rounds", "1", "--steps", "1"]
+    cfg = bench.parse_args(argv + ["--quiet", "1", "--strategy", "hybrid_shard", "--shard-size", "2"])
+    summary = bench.summarize(cfg, pools(4).run(bench.run_rank, cfg)[0])
+    bench.report(summary, str(tmp_path))
+    rows = summary["systems"]
+    assert summary["mesh"] == [2, 2] and summary["loss_check"]["ok"], summary["loss_check"]
+    for name, r in rows.items():
+        assert r["bytes_per_step"] == r["theory_bytes"], (name, r["bytes_by_kind"])
+        assert r["unknown_collectives"] == [] and r["peak_bytes"] > 0, name
+    own, hsdp = rows["shardwise/hybrid_shard"], rows["fsdp2/hybrid_shard"]
+    # on Gloo our gathers and reduce-scatters within the shard group are point-to-point
+    # sends; the replica all-reduce and the step check are all-reduces
+    ours, counted = own["shardwise_comm_stats_bytes"], own["bytes_by_kind"]
+    assert counted == {
+        "send": ours["all_gather"] + ours["reduce_scatter"],
+        "all_reduce": ours["replica_all_reduce"] + ours["step_check"],
+    }
+    # across the replicas both move the same bytes: each rank's reduced shard, all-reduced
+    assert counted["all_reduce"] - ours["step_check"] == hsdp["bytes_by_kind"]["all_reduce"]
+    assert own["x_fsdp2"] > 0 and "| shardwise/hybrid_shard |" in (tmp_path / "bench.md").read_text()
+
+
 def compiled_blocks_per_system(argv):
     """Build every system as ``--compile`` does; per system, its blocks and how many are compiled."""
     cfg = bench.parse_args(argv)
     work = bench.workload(cfg, torch.distributed.get_rank(), 2, torch.device("cpu"))
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2,))
+    meshes = bench.device_meshes(cfg, torch.device("cpu"))
     out = {}
     for name in cfg.systems:
-        model = bench.build_system(name, cfg, work, torch.device("cpu"), mesh)[0]
+        model = bench.build_system(name, cfg, work, torch.device("cpu"), meshes)[0]
         blocks = [m for m in model.modules() if isinstance(m, work.block)]
         out[name] = (len(blocks), sum(m._compiled_call_impl is not None for m in blocks))
     return out

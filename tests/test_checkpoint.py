@@ -1,5 +1,6 @@
-"""Checkpoints: exact resume, resharding to other world sizes, wraps and strategies, crash
-safety, named errors, conversion to standard safetensors, background saves, O(shard) loads."""
+"""Checkpoints: exact resume, resharding to other world sizes, wraps and strategies (hybrid
+meshes too), crash safety, named errors, conversion to standard safetensors, background saves,
+O(shard) loads."""
 
 import json
 import os
@@ -22,12 +23,12 @@ from shardwise.checkpoint import CheckpointError, commit, saving
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 
 
-def sharded(kind, wrap="by_class", strategy="full_shard", seed=0, buffers=False):
+def sharded(kind, wrap="by_class", strategy="full_shard", seed=0, buffers=False, **options):
     model = make(kind, seed)
     if buffers:
         model.register_buffer("counts", torch.arange(7.0) + seed)
         model.layers[0].register_buffer("scratch", torch.full((3,), float(seed)), persistent=False)
-    return shardwise.shard(model, wrap=wrap_policy(wrap, kind), strategy=strategy)
+    return shardwise.shard(model, wrap=wrap_policy(wrap, kind), strategy=strategy, **options)
 
 
 def adamw(model, lr=1e-2):
@@ -51,26 +52,26 @@ def train(kind, model, opt, start, stop, noise=False):
 
 
 # --- resume is bitwise exact at the same world size (fp32)
-def straight_run(steps):
+def straight_run(steps, options=None):
     torch.manual_seed(100 + dist.get_rank())
-    model = sharded("mlp")
+    model = sharded("mlp", **(options or {}))
     opt = adamw(model)
     losses = train("mlp", model, opt, 0, steps, noise=True)
     return losses, shardwise.full_state_dict(model)
 
 
-def first_half(path, steps):
+def first_half(path, steps, options=None):
     torch.manual_seed(100 + dist.get_rank())
-    model = sharded("mlp")
+    model = sharded("mlp", **(options or {}))
     opt = adamw(model)
     losses = train("mlp", model, opt, 0, steps, noise=True)
     ckpt.save(path, model, opt, step=steps, extra={"next_batch": steps})
     return losses
 
 
-def second_half(path, steps):
+def second_half(path, steps, options=None):
     torch.manual_seed(12345)  # wrong on purpose: load must restore each rank's RNG
-    model = sharded("mlp", seed=9)  # other initial values, which load must overwrite
+    model = sharded("mlp", seed=9, **(options or {}))  # other initial values, which load must overwrite
     opt = adamw(model, lr=0.5)  # other hyper-parameters too
     info = ckpt.load(path, model, opt)
     start = info.extra["next_batch"]
@@ -124,8 +125,8 @@ def source(pools, tmp_path_factory):
     return path, saved, losses, final
 
 
-def reshard_target(path, wrap, strategy):
-    model = sharded("tied", wrap, strategy, seed=3)
+def reshard_target(path, wrap, strategy, options=None):
+    model = sharded("tied", wrap, strategy, seed=3, **(options or {}))
     opt = adamw(model, lr=0.1)
     info = ckpt.load(path, model, opt)
     loaded = shardwise.full_state_dict(model)
@@ -134,20 +135,26 @@ def reshard_target(path, wrap, strategy):
 
 
 @pytest.mark.parametrize(
-    "world_size, wrap, strategy",
+    "world_size, wrap, strategy, options",
     [
-        (1, "by_class", "full_shard"),
-        (2, "none", "no_shard"),
-        (3, "by_size", "shard_grad_op"),
-        (3, "by_class", "full_shard"),
+        (1, "by_class", "full_shard", {}),
+        (2, "none", "no_shard", {}),
+        (3, "by_size", "shard_grad_op", {}),
+        (3, "by_class", "full_shard", {}),
+        # into hybrid meshes at the saved world size: 2x2, and the degenerate 4x1 and 1x4
+        (4, "by_class", "hybrid_shard", {"shard_size": 2}),
+        (4, "by_size", "hybrid_shard_grad_op", {"shard_size": 1}),
+        (4, "by_class", "hybrid_shard", {"shard_size": 4}),
     ],
 )
-def test_load_at_another_world_size_wrap_and_strategy(pools, source, world_size, wrap, strategy):
+def test_load_at_another_world_size_wrap_and_strategy(
+    pools, source, world_size, wrap, strategy, options
+):
     path, saved, losses, final = source
     info, loaded, got_losses, got_final = pools(world_size).run(
-        reshard_target, path, wrap, strategy
+        reshard_target, path, wrap, strategy, options
     )[0]
-    assert (info.world_size, info.step, info.rng_restored) == (4, 4, False)
+    assert (info.world_size, info.step, info.rng_restored) == (4, 4, world_size == 4)
     assert loaded.keys() == saved.keys()
     for k in saved:
         assert torch.equal(loaded[k], saved[k]), k
@@ -169,6 +176,137 @@ def test_tied_parameters_are_stored_once(source):
     assert "head.weight" not in stored and "emb.weight" in stored
     assert index["world_size"] == 4 and index["strategy"] == "full_shard" and index["step"] == 4
     assert all(len(v["crc32"]) == 8 for v in index["files"].values())
+
+
+# --- hybrid sharding: the first replica writes each row once; any layout loads it
+def hybrid_source_run(path):
+    model = sharded("tied", strategy="hybrid_shard", shard_size=2)
+    opt = adamw(model)
+    train("tied", model, opt, 0, 4)
+    ckpt.save(path, model, opt, step=4)
+    saved = shardwise.full_state_dict(model)
+    losses = train("tied", model, opt, 4, 7)
+    return saved, losses, shardwise.full_state_dict(model)
+
+
+@pytest.fixture(scope="module")
+def hybrid_source(pools, tmp_path_factory):
+    """A checkpoint of the tied transformer saved under hybrid_shard on a 2x2 mesh (replicas x
+    shard) at N=4, and how training went on from it."""
+    path = tmp_path_factory.mktemp("hybrid") / "step-4"
+    saved, losses, final = pools(4).run(hybrid_source_run, path)[0]
+    return path, saved, losses, final
+
+
+def hybrid_save(path, shard_size):
+    model = sharded("tied", strategy="hybrid_shard", shard_size=shard_size)
+    opt = adamw(model)
+    train("tied", model, opt, 0, 1)
+    ckpt.save(path, model, opt, step=1)
+
+
+@pytest.mark.parametrize("shard_size", [1, 2, 4])
+def test_hybrid_save_writes_each_row_once(pools, hybrid_source, tmp_path, shard_size):
+    path = hybrid_source[0] if shard_size == 2 else tmp_path / "c"
+    if shard_size != 2:
+        pools(4).run(hybrid_save, path, shard_size)
+    index = json.loads((path / "index.json").read_text())
+    assert index["world_size"] == 4 and index["strategy"] == "hybrid_shard"
+    writers = {f"rank-{r:05d}-of-00004.safetensors" for r in range(shard_size)}  # replica 0
+    for name, t in index["tensors"].items():
+        assert {p["file"] for p in t["pieces"]} <= writers, name
+    rows = -(-23 // shard_size)  # emb.weight: 23 rows in shard_size pieces, each once
+    starts = range(0, 23, rows)
+    assert [p["rows"] for p in index["tensors"]["emb.weight"]["pieces"]] == [
+        [a, min(a + rows, 23)] for a in starts
+    ]
+    stored = {}
+    for name in index["files"]:
+        with safetensors.safe_open(path / name, "pt") as f:
+            stored[name] = set(f.keys())
+    assert len(stored) == 4 and [e["file"] for e in index["rng"]] == sorted(stored)
+    for name, keys in stored.items():  # the other replicas' files: their RNG states alone
+        assert (keys != {"rng.cpu"}) == (name in writers), (name, keys)
+
+
+def check_resharded(source, got):
+    saved, losses, final = source[1:]
+    info, loaded, got_losses, got_final = got
+    assert info.step == 4 and loaded.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
+    for step, (a, b) in enumerate(zip(got_losses, losses)):
+        assert a == pytest.approx(b, rel=1e-5), f"step {4 + step}"
+    assert max((got_final[k] - final[k]).abs().max().item() for k in final) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "world_size, wrap, strategy, options",
+    [
+        (1, "by_class", "full_shard", {}),
+        (2, "none", "no_shard", {}),
+        (3, "by_size", "shard_grad_op", {}),
+        (4, "by_class", "hybrid_shard", {"shard_size": 1}),  # 4x1
+        (4, "by_size", "hybrid_shard_grad_op", {"shard_size": 4}),  # 1x4
+        (2, "by_class", "hybrid_shard", {"shard_size": 1}),  # 2x1, at another world size
+    ],
+)
+def test_hybrid_checkpoint_loads_into_any_layout(
+    pools, hybrid_source, world_size, wrap, strategy, options
+):
+    got = pools(world_size).run(reshard_target, hybrid_source[0], wrap, strategy, options)[0]
+    assert (got[0].world_size, got[0].strategy, got[0].rng_restored) == (
+        4,
+        "hybrid_shard",
+        world_size == 4,
+    )
+    check_resharded(hybrid_source, got)
+
+
+def test_hybrid_resume_is_bitwise_exact(pools, tmp_path):
+    options = {"strategy": "hybrid_shard", "shard_size": 2}
+    losses, final = pools(4).run(straight_run, 8, options)[0]
+    assert pools(4).run(first_half, tmp_path / "c", 4, options)[0] == losses[:4]
+    info, resumed, resumed_final = pools(4).run(second_half, tmp_path / "c", 4, options)[0]
+    assert info.rng_restored  # each rank's, the other replicas' too
+    assert resumed == losses[4:]  # exact float equality, step by step
+    for k in final:
+        assert torch.equal(final[k], resumed_final[k]), k
+
+
+def hybrid_exports(path):
+    """Full state dicts, a Hugging Face style export and loads from it under hybrid 2x2:
+    what each rank gathered, and whether every value is right."""
+    model = sharded("tied", strategy="hybrid_shard", shard_size=2)
+    opt = adamw(model)
+    train("tied", model, opt, 0, 2)
+    shardwise.reset_comm_stats()
+    full = shardwise.full_state_dict(model)
+    gathers = [shardwise.comm_stats(reset=True)["all_gather"].calls]
+    ckpt.save_pretrained(model, path)
+    gathers.append(shardwise.comm_stats(reset=True)["all_gather"].calls)
+    everywhere = shardwise.full_state_dict(model, rank0_only=False)
+    a = sharded("tied", "by_size", "hybrid_shard", seed=5, shard_size=2)
+    ckpt.load_full(a, path)
+    b = sharded("tied", "by_class", "hybrid_shard", seed=6, shard_size=1)
+    shardwise.load_full_state_dict(b, full if dist.get_rank() == 0 else None)
+    loaded = [shardwise.full_state_dict(m, rank0_only=False) for m in (a, b)]
+    return dist.get_rank(), gathers, full, everywhere, loaded
+
+
+def test_hybrid_full_state_dict_and_exports_gather_on_one_replica(pools, tmp_path):
+    out = pools(4).run(hybrid_exports, tmp_path / "hf")
+    full = out[0][2]
+    units = 4  # three blocks and the root
+    for rank, gathers, mine, everywhere, loaded in out:
+        # rank 0's shard group gathers; the other replica holds the same rows and does not
+        assert gathers == ([units, units] if rank < 2 else [0, 0]), rank
+        assert (mine.keys() == full.keys()) if rank == 0 else mine == {}
+        for sd in (everywhere, *loaded):
+            assert sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in full)
+    exported = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == full.keys() - {"head.weight"}  # tied: stored once
+    assert all(torch.equal(exported[k], full[k]) for k in exported)
 
 
 # --- frozen parameters, 0-dim parameters and buffers survive a round trip

@@ -120,3 +120,45 @@ def test_init_timeout_bounds_a_stalled_collective(tmp_path):
     elapsed = float(out0.split("ELAPSED")[1].split()[0])
     assert 2.5 <= elapsed <= 10, elapsed
     assert "for unit '<root>'" in out0 or "for unit '1'" in out0
+
+
+# --- hybrid sharding: a dead peer across the replicas
+def die_in_replica_all_reduce():
+    """2x2 (replicas x shard): rank 2 dies as it would issue its first all-reduce across the
+    replicas, leaving rank 0, its peer there, waiting in that all-reduce; rank 3 loses its
+    shard group's peer, and rank 1 then its peer across the replicas."""
+    from shardwise import collectives
+
+    model = shardwise.shard(
+        make("tied"), wrap=wrap_policy("by_class", "tied"), strategy="hybrid_shard", shard_size=2
+    )
+    if dist.get_rank() == 2:
+        all_reduce = collectives.all_reduce
+
+        def die_first(*args, **kwargs):
+            if kwargs.get("kind") == "replica_all_reduce":
+                os._exit(7)
+            return all_reduce(*args, **kwargs)
+
+        collectives.all_reduce = die_first
+    for step in range(3):
+        x, y = batch("tied", step, 8)
+        loss_of(model, local_slice(x), local_slice(y)).backward()
+    return "finished"
+
+
+def test_dead_peer_ends_every_hybrid_survivor_within_the_timeout():
+    pool = WorkerPool(4, timeout=60, group_timeout=GROUP_TIMEOUT)
+    try:
+        t0 = time.monotonic()
+        out = pool.run_outcomes(die_in_replica_all_reduce)
+        elapsed = time.monotonic() - t0
+    finally:
+        pool.close()
+    assert out[2].exitcode == 7
+    for o in (out[0], out[1], out[3]):
+        assert not o.ok and o.error_type.endswith("CollectiveError"), o
+        assert "rank 2: no answer" in o.error_message, o.error_message
+    assert "replica_all_reduce for unit 'blocks." in out[0].error_message, out[0].error_message
+    # (the shard and replicate groups take the default group's timeout, not torch's 30 minutes)
+    assert elapsed < GROUP_TIMEOUT + 20, elapsed

@@ -38,9 +38,11 @@ def tokens(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def traced_run(
-    strategy="full_shard", wrap=True, precision=None, offload=False, checkpoint=False, steps=2
+    strategy="full_shard", wrap=True, precision=None, offload=False, checkpoint=False, steps=2,
+    **options,
 ):
-    """Build the GPT, take one untraced step (the optimizer state appears), trace ``steps``."""
+    """Build the GPT, take one untraced step (the optimizer state appears), trace ``steps``
+    (``options`` go to ``shard()``)."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = gpt()
@@ -51,6 +53,7 @@ def traced_run(
         strategy=strategy,
         mixed_precision=precision,
         cpu_offload=offload,
+        **options,
     )
     if checkpoint:
         shardwise.checkpoint_activations(model, block)
@@ -269,3 +272,47 @@ def test_report_command(traced, tmp_path):
     report.main([str(src), "-o", str(tmp_path / "r.html"), "--chrome", str(tmp_path / "c.json")])
     assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
     assert "traceEvents" in json.loads((tmp_path / "c.json").read_text())
+
+
+# --- hybrid sharding: two kinds of collective on two links
+def hybrid_tracer_facts():
+    _, _, t = traced_run("hybrid_shard", steps=2, shard_size=2)
+    return t.data, shardwise.comm_stats()
+
+
+def test_hybrid_trace_shows_both_links(pools):
+    out = pools(4).run(hybrid_tracer_facts)
+    data = out[0][0]
+    assert data["mesh"] == {"replicate": 2, "shard": 2}
+    names = [u["name"] for u in data["units"]]
+    for r in data["ranks"]:
+        spans = T.spans(r, data["units"])
+        # per unit and step: a reduce-scatter in the shard group, then an all-reduce of its
+        # result across the replicas, issued later than the reduce-scatter
+        for track in ("reduce", "replica"):
+            mine = [s for s in spans if s["track"] == track]
+            assert sorted(s["unit"] for s in mine) == sorted(names * 2), track
+            assert all(s["bytes"] > 0 and s["end"] >= s["start"] for s in mine)
+        first = {s["unit"]: s["start"] for s in reversed(spans) if s["track"] == "reduce"}
+        assert all(s["start"] >= first[s["unit"]] for s in spans if s["track"] == "replica")
+    f = report.figures(data, 1)
+    psi, b, s, r = f["psi"], 4, 2, 2
+    assert f["theory"]["all_gather"] == 2 * psi * b * (s - 1) // s
+    assert f["theory"]["reduce_scatter"] == psi * b * (s - 1) // s
+    assert f["theory"]["replica_all_reduce"] == 2 * psi * b * (r - 1) // (r * s)
+    links = f["links"]
+    for rank, (_, stats) in enumerate(out):
+        sent = f["sent"][rank]  # the step's bytes, each kind over its own group's size
+        for kind in ("all_gather", "reduce_scatter", "replica_all_reduce", "step_check"):
+            assert sent[kind] == stats[kind].bytes // 2, (rank, kind)  # two identical steps
+        assert links["within"][rank] == sent["all_gather"] + sent["reduce_scatter"]
+        assert links["across"][rank] == sent["replica_all_reduce"]
+        # within padding rows of the theory (and the kept units' single gathers, within)
+        across = links["theory_across"]
+        assert across <= links["across"][rank] <= 1.05 * across
+        assert 0.8 * links["theory_within"] <= links["within"][rank] <= 1.05 * links["theory_within"]
+    view = report.build(data)
+    assert view["mesh"] == data["mesh"] and "2 replicas x 2 shards" in view["title"]
+    assert all(rv["lanes"]["replica"] >= 1 for rv in view["ranks"])
+    threads = {e["args"]["name"] for e in T.to_chrome(data)["traceEvents"] if e["name"] == "thread_name"}
+    assert "all-reduce across replicas" in threads

@@ -4,6 +4,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 
 def test_shardwise_train_runs_and_the_loss_falls(tmp_path):
     out = subprocess.run(
@@ -41,3 +43,28 @@ def test_train_resumes_from_the_latest_checkpoint(tmp_path):
     assert f"resumed from {tmp_path / 'step-00000004'} at step 4; RNG restored" in again.stdout
     final = lambda out: out.split("\nloss ")[1].split()[2]  # noqa: E731
     assert final(again.stdout) == final(first.stdout)
+
+
+def test_train_hybrid_shard_reports_both_links():
+    out = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "--model-size", "tiny", "--steps", "6",
+         "--nproc", "4", "--seq-len", "32", "--log-every", "3", "--strategy", "hybrid_shard",
+         "--shard-size", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "strategy hybrid_shard" in text and "replica all-reduce" in text
+    assert "theory: 3*psi*b*(S-1)/S + 2*psi*b*(R-1)/(R*S)" in text and "N = 4 = R 2 x S 2" in text
+    link = text.split("across the replicas (R = 2) theory ")[1]
+    theory, measured = link.split(" MiB, measured ")
+    assert float(measured.split()[0]) == float(theory) > 0  # tiny's shards have no padding rows
+    assert text.count("  rank ") == 12  # four ranks in all three tables
+
+
+def test_train_refuses_shard_size_without_hybrid():
+    from shardwise.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--strategy", "full_shard", "--shard-size", "2"])
+    assert parse_args(["--strategy", "hybrid_shard", "--shard-size", "2"]).shard_size == 2

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import collectives as C
-from . import groups, streams
+from . import flight, groups, streams
 from .build import (
     assign_params,
     broadcast_from_rank0,
@@ -265,16 +265,21 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded state dict as CPU tensors under the original names (every rank must call
     it; with ``rank0_only`` the other ranks get ``{}``), loadable with ``load_state_dict`` into
-    the unsharded module."""
+    the unsharded module. With hybrid sharding and ``rank0_only`` only rank 0's shard group
+    gathers."""
     rt = _runtime(model)
     _require_idle(rt, "full_state_dict")
+    one_replica = rank0_only and rt.mesh.replicate is not None
+    if one_replica and not rt.mesh.first_replica():
+        return {}
     keep = not rank0_only or dist.get_rank() == 0
     values: dict[str, torch.Tensor] = {}
-    for unit in rt.units:
-        full = unit.gather_full()
-        if keep:
-            for r in unit.registrations:
-                values[r.fqn] = full[r.index].detach().to("cpu", copy=True)
+    with flight.apart() if one_replica else contextlib.nullcontext():
+        for unit in rt.units:
+            full = unit.gather_full()
+            if keep:
+                for r in unit.registrations:
+                    values[r.fqn] = full[r.index].detach().to("cpu", copy=True)
     if not keep:
         return {}
     out = {}

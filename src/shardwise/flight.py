@@ -64,6 +64,21 @@ _seq = 0
 _digest = 0
 _fingerprints: dict[tuple, int] = {}
 _incidents = 0
+_apart = 0  # depth of apart() blocks
+
+
+@contextlib.contextmanager
+def apart():
+    """Collectives issued inside are those of some ranks only, by design (with hybrid
+    sharding, one replica gathers a full state dict while the others, which hold the same
+    rows, do not): they stay out of the digest and of the call numbering that ranks compare,
+    and a failed one is still named by its own rank."""
+    global _apart
+    _apart += 1
+    try:
+        yield
+    finally:
+        _apart -= 1
 
 
 @contextlib.contextmanager
@@ -84,6 +99,8 @@ def record(kind: str, label: str, numel: int, dtype) -> Record:
     global _seq, _digest
     dtype = str(dtype).removeprefix("torch.")
     rec = Record(_seq, kind, label, numel, dtype)
+    if _apart:
+        return rec
     _seq += 1
     _ring.append(rec)
     key = (kind, label, numel, dtype)

@@ -47,12 +47,21 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
         )
 
 
-_timeout_s = DEFAULT_TIMEOUT_S
+_timeout_s: float | None = None  # set by init()
 
 
 def timeout_s() -> float:
-    """The collective timeout ``init()`` set (its default if another call started the group)."""
-    return _timeout_s
+    """The collective timeout: the one ``init()`` set; else that of the default group, where
+    torch tells it (a group started by ``init_process_group``); else ``DEFAULT_TIMEOUT_S``.
+    The groups shardwise makes (shard and replicate groups, host groups) take it too: torch
+    would give them its own default of 30 minutes."""
+    if _timeout_s is not None:
+        return _timeout_s
+    try:  # private: not every release or backend tells it
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device())
+        return backend.options._timeout.total_seconds()
+    except Exception:
+        return DEFAULT_TIMEOUT_S
 
 
 _host_groups: dict = {}
@@ -70,7 +79,9 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if key not in _host_groups:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         backend = "fake" if dist.get_backend() == "fake" else "gloo"
-        _host_groups[key] = dist.new_group(ranks, backend=backend, use_local_synchronization=ranks is not None)
+        _host_groups[key] = dist.new_group(
+            ranks, backend=backend, timeout=timedelta(seconds=timeout_s()), use_local_synchronization=ranks is not None
+        )
     return _host_groups[key]
 
 
@@ -84,6 +95,12 @@ class Mesh:
     shard: dist.ProcessGroup | None
     replicate: dist.ProcessGroup | None = None
     whole: dist.ProcessGroup | None = None
+
+    def first_replica(self) -> bool:
+        """Whether this rank's shard group is the one holding global rank 0 (always, without
+        hybrid sharding): the replica that alone writes or gathers what is needed once
+        (checkpoint shards, a full state dict for rank 0, a Hugging Face export)."""
+        return self.replicate is None or 0 in dist.get_process_group_ranks(self.shard)
 
 
 _meshes: dict = {}
@@ -142,8 +159,9 @@ def mesh_of(group, mesh, *, hybrid: bool, shard_size: int | None) -> Mesh:
     if key not in _meshes:
         rows = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(world // shard_size)]
         cols = [list(range(c, world, shard_size)) for c in range(shard_size)]
-        shard_group, _ = dist.new_subgroups_by_enumeration(rows, backend=dist.get_backend())
-        replicate_group, _ = dist.new_subgroups_by_enumeration(cols, backend=dist.get_backend())
+        timeout = timedelta(seconds=timeout_s())  # (torch's default for new groups: 30 minutes)
+        shard_group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout, backend=dist.get_backend())
+        replicate_group, _ = dist.new_subgroups_by_enumeration(cols, timeout=timeout, backend=dist.get_backend())
         _meshes[key] = Mesh(shard_group, replicate_group if len(rows) > 1 else None, None)
     return _meshes[key]
 

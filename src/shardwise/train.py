@@ -3,7 +3,12 @@ every rank held and sent.
 
     shardwise train                       # 2 local ranks on CPU (Gloo), one per GPU on CUDA (NCCL)
     torchrun --nproc_per_node 4 -m shardwise train --strategy shard_grad_op
+    shardwise train --nproc 4 --strategy hybrid_shard --shard-size 2   # 2 replicas x 2 shards
     shardwise train --save-every 100 --resume   # checkpoints in ./checkpoints; rerun to continue
+
+Many nodes (README.md): torchrun on each node with ``--strategy hybrid_shard``, the node as
+shard group; ``--global-batch-size`` keeps the data the same when a lost node's job restarts
+at another world size and resumes.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ class TrainConfig:
     """Options of ``shardwise train`` (each doubles as the CLI help)."""
 
     nproc: int = 0  # ranks to launch on this machine (0: one per GPU, else 2)
-    strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard
+    strategy: str = "full_shard"  # full_shard | shard_grad_op | no_shard | hybrid_shard | hybrid_shard_grad_op
+    shard_size: int = 0  # hybrid: ranks per shard group (0: torchrun's LOCAL_WORLD_SIZE, one node)
     wrap: str = "block"  # block (one unit per transformer block) | size | none (root only)
     steps: int = 200  # optimizer steps
     batch_size: int = 4  # sequences per rank per step
+    global_batch_size: int = 0  # sequences per step over all ranks (0: batch_size x ranks)
     model_size: str = "small"  # tiny | small | medium | large
     seq_len: int = 64  # tokens per sequence
     lr: float = 2e-3  # peak learning rate (AdamW, warm-up then cosine decay)
@@ -63,9 +70,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     defaults = TrainConfig()
     p.add_argument("--nproc", type=int, default=defaults.nproc, help="ranks on this machine (0: one per GPU, else 2)")
     p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
+    p.add_argument("--shard-size", type=int, default=defaults.shard_size,
+                   help="hybrid strategies: ranks per shard group (default: the ranks of one node)")
     p.add_argument("--wrap", choices=("block", "size", "none"), default=defaults.wrap, help="which modules become units")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")
+    p.add_argument("--global-batch-size", type=int, default=defaults.global_batch_size,
+                   help="sequences per step over all ranks, split among them (instead of --batch-size): "
+                   "the same data at any world size, e.g. after a lost node")
     p.add_argument("--model-size", choices=("tiny", "small", "medium", "large"), default=defaults.model_size)
     p.add_argument("--seq-len", type=int, default=defaults.seq_len)
     p.add_argument("--lr", type=float, default=defaults.lr)
@@ -85,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     a = p.parse_args(argv)
     if a.loss_curve and not charts.available():
         p.error(f"--loss-curve needs matplotlib: {charts.INSTALL}")
+    if a.shard_size and not STRATEGIES[a.strategy].hybrid:
+        p.error(f"--shard-size is for --strategy hybrid_shard or hybrid_shard_grad_op, not {a.strategy}")
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
 
@@ -114,6 +128,7 @@ def worker(cfg: TrainConfig) -> dict:
     groups.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = dist.get_rank(), dist.get_world_size()
+    global_batch = _global_batch(cfg, world)
     device = groups.device()
     mcfg = gpt_config(cfg.model_size, seq_len=cfg.seq_len)
     torch.manual_seed(cfg.seed)
@@ -124,6 +139,7 @@ def worker(cfg: TrainConfig) -> dict:
         model,
         wrap=wrap,
         strategy=cfg.strategy,
+        shard_size=cfg.shard_size or None,
         mixed_precision=cfg.mixed_precision,
         cpu_offload=cfg.cpu_offload,
     )
@@ -139,7 +155,7 @@ def worker(cfg: TrainConfig) -> dict:
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
         **({"fused": True} if cfg.cpu_offload else {}),
     )
-    start = _resume(cfg, model, opt, scaler, world) if cfg.resume else 0
+    start = _resume(cfg, model, opt, scaler, global_batch) if cfg.resume else 0
     if start >= cfg.steps:
         if rank == 0:
             print(f"already trained {start} steps (--steps {cfg.steps}): nothing to do", flush=True)
@@ -148,7 +164,7 @@ def worker(cfg: TrainConfig) -> dict:
         dtype_table(model)
     bar = Progress(cfg.steps, start, enabled=rank == 0)
     curve: tuple[list[int], list[float]] = ([], [])  # the logged steps and their losses
-    tokens_per_step = cfg.batch_size * world * cfg.seq_len
+    tokens_per_step = global_batch * cfg.seq_len
     step_times, first_loss, loss = [], None, float("nan")
     warmup = start + min(5, (cfg.steps - start) // 4)
     saving = None
@@ -159,7 +175,7 @@ def worker(cfg: TrainConfig) -> dict:
         if cfg.report and step == max(start, cfg.steps - 3):
             tracer = tracing.enter_context(trace(model, opt))
         t0 = time.perf_counter()
-        x, y = get_batch(step, cfg.batch_size * world, cfg.seq_len, seed=cfg.seed)
+        x, y = get_batch(step, global_batch, cfg.seq_len, seed=cfg.seed)
         x, y = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
@@ -195,7 +211,7 @@ def worker(cfg: TrainConfig) -> dict:
             # written in the background while training goes on; the next save waits for it
             saving = checkpoint.save(
                 os.path.join(cfg.checkpoint_dir, f"step-{step + 1:08d}"), model, opt,
-                step=step + 1, extra=_resume_state(cfg, world, scaler), async_=True,
+                step=step + 1, extra=_resume_state(cfg, global_batch, scaler), async_=True,
             )
     if saving is not None:
         saving.wait()
@@ -219,6 +235,7 @@ def worker(cfg: TrainConfig) -> dict:
         "all_gather": per_step["all_gather"],
         "reduce_scatter": per_step["reduce_scatter"],
         "all_reduce": per_step["all_reduce"],
+        "replica_all_reduce": per_step["replica_all_reduce"],
         "peak": peak,
         "step_ms": 1000 * sorted(timed)[len(timed) // 2],
     }
@@ -240,17 +257,30 @@ def worker(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _resume_state(cfg: TrainConfig, world: int, scaler: GradScaler | None) -> dict:
+def _global_batch(cfg: TrainConfig, world: int) -> int:
+    """Sequences per step over all ranks: --global-batch-size, split evenly, or --batch-size
+    on every rank."""
+    if not cfg.global_batch_size:
+        return cfg.batch_size * world
+    if cfg.global_batch_size % world:
+        raise SystemExit(
+            f"--global-batch-size {cfg.global_batch_size} does not split evenly among {world} ranks: "
+            "use a multiple of the world size"
+        )
+    return cfg.global_batch_size
+
+
+def _resume_state(cfg: TrainConfig, global_batch: int, scaler: GradScaler | None) -> dict:
     """What a checkpoint needs besides tensors: the data stream's definition (a batch is a
     pure function of step, seed, global batch and sequence length) and the loss scaler."""
     return {
-        "data": {"seed": cfg.seed, "global_batch": cfg.batch_size * world, "seq_len": cfg.seq_len},
+        "data": {"seed": cfg.seed, "global_batch": global_batch, "seq_len": cfg.seq_len},
         "model_size": cfg.model_size,
         "scaler": scaler.state_dict() if scaler else None,
     }
 
 
-def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, world: int) -> int:
+def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, global_batch: int) -> int:
     """Load the newest complete checkpoint in ``cfg.checkpoint_dir`` (model, optimizer, each
     rank's RNG, the loss scaler); return the step to continue from (0 when there is none)."""
     path = checkpoint.latest(cfg.checkpoint_dir)
@@ -259,11 +289,12 @@ def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, world: int)
             print(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; starting at step 0", flush=True)
         return 0
     info = checkpoint.load(path, model, opt)
-    saved, now = info.extra, _resume_state(cfg, world, scaler)
+    saved, now = info.extra, _resume_state(cfg, global_batch, scaler)
     if saved["data"] != now["data"]:
         raise SystemExit(
             f"--resume: {path} was trained on data {saved['data']}, this run would read {now['data']}; "
-            "keep --seed and --seq-len, and set --batch-size so that batch size x ranks is the same"
+            "keep --seed and --seq-len, and set --batch-size so that batch size x ranks is the same "
+            "(or --global-batch-size)"
         )
     if scaler is not None and saved["scaler"] is not None:
         scaler.load_state_dict(saved["scaler"])
@@ -365,18 +396,34 @@ def render_summary(s: dict) -> str:
         f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}, "
         f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )
+    hybrid = theory["replicas"] > 1
     lines += [
         "",
-        "bytes sent per rank per step (MiB)   all-gather  reduce-scatter  all-reduce   total   step ms",
+        "bytes sent per rank per step (MiB)   all-gather  reduce-scatter  all-reduce"
+        + ("  replica all-reduce" if hybrid else "")
+        + "   total   step ms",
     ]
     for r in rows:
-        total = r["all_gather"] + r["reduce_scatter"] + r["all_reduce"]
+        across = r.get("replica_all_reduce", 0)
+        total = r["all_gather"] + r["reduce_scatter"] + r["all_reduce"] + across
         lines.append(
             f"  rank {r['rank']:<30}{_mib(r['all_gather'])}    {_mib(r['reduce_scatter'])}"
-            f"   {_mib(r['all_reduce'])} {_mib(total)}  {r['step_ms']:8.1f}"
+            f"   {_mib(r['all_reduce'])}"
+            + (f"            {_mib(across)}" if hybrid else "")
+            + f" {_mib(total)}  {r['step_ms']:8.1f}"
         )
+    ranks = f"N = {n}" if not hybrid else f"N = {n} = R {theory['replicas']} x S {theory['shard']}"
     lines.append(
         f"  theory: {theory['formula']} = {theory['bytes'] / 2**20:.2f} MiB "
-        f"(psi = {theory['psi']:,} parameters, b = {theory['b']} bytes, N = {n}); {theory['note']}"
+        f"(psi = {theory['psi']:,} parameters, b = {theory['b']} bytes, {ranks}); {theory['note']}"
     )
+    if hybrid:
+        within = [r["all_gather"] + r["reduce_scatter"] + r["all_reduce"] for r in rows]
+        across = [r.get("replica_all_reduce", 0) for r in rows]
+        lines.append(
+            f"  per link: within each shard group (S = {theory['shard']} ranks) theory "
+            f"{theory['within'] / 2**20:.2f} MiB, measured {_mib(max(within)).strip()} MiB; across the "
+            f"replicas (R = {theory['replicas']}) theory {theory['across'] / 2**20:.2f} MiB, "
+            f"measured {_mib(max(across)).strip()} MiB (the most any rank sent)"
+        )
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The checkpoint directory: file names, the index (``index.json``) and the commit marker.
 
-A checkpoint is a directory holding one safetensors file per rank that saved it, the index,
+A checkpoint is a directory holding one safetensors file per rank that saved it (with hybrid
+sharding, the files of all but the first replica hold only RNG states), the index,
 and the marker ``COMMITTED`` (written last; it records the index's CRC-32). The index says,
 for every tensor, its name, kind, dtype, global shape and which rows each file holds; for
 every file its size and CRC-32; and the world size, strategy, step, optimizer groups, each

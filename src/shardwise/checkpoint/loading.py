@@ -172,7 +172,7 @@ def load(
     """
     rt = runtime_of(model, "load")
     finish_pending(model)
-    group = rt.units[0].group
+    group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     path = Path(path)
     index: Index | None = None
@@ -423,7 +423,7 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
     """
     rt = runtime_of(model, "load_full")
     finish_pending(model)
-    group = rt.units[0].group
+    group = rt.mesh.whole
     path = Path(path)
     hf = pretrained.is_transformers(model)
     missing: list[str] = []

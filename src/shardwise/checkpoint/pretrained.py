@@ -12,6 +12,7 @@ transformers and peft are imported only inside the functions that need them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import flight
 from ..errors import ShardwiseError
 from ..runtime import Runtime
 from ..unit import Unit
@@ -56,13 +58,14 @@ def save_pretrained(
 ) -> Path:
     """Write a sharded transformers model as a directory that ``from_pretrained`` loads.
 
-    Collective: every rank gathers one unit at a time and rank 0 writes, so rank 0's extra
-    memory is about the largest unit. The directory holds the weights under the model's
-    state-dict names (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files
-    of at most ``max_shard_bytes`` and ``model.safetensors.index.json``), a tied weight once,
-    frozen parameters and persistent buffers included, in the parameters' dtype or in
-    ``dtype`` (floating-point tensors only); and ``config.json`` (its dtype set to the one
-    stored) and ``generation_config.json`` when the model generates.
+    Collective: every rank (with hybrid sharding, every rank of rank 0's shard group) gathers
+    one unit at a time and rank 0 writes, so rank 0's extra memory is about the largest unit.
+    The directory holds the weights under the model's state-dict names (``model.safetensors``,
+    or ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_bytes`` and
+    ``model.safetensors.index.json``), a tied weight once, frozen parameters and persistent
+    buffers included, in the parameters' dtype or in ``dtype`` (floating-point tensors only);
+    and ``config.json`` (its dtype set to the one stored) and ``generation_config.json`` when
+    the model generates.
 
     A peft model gets peft's adapter layout beside its base model: ``adapter_config.json``
     and ``adapter_model.safetensors`` (loadable with ``PeftModel.from_pretrained(base,
@@ -90,24 +93,32 @@ def save_pretrained(
     order = [t.unit for _, ts in layout for t in ts if t.unit is not None]
     feed = _Feed(rt.units, [u for i, u in enumerate(order) if i == 0 or order[i - 1] != u])
     problem = ""
-    if dist.get_rank() == 0:  # runtime_of checked that the model is sharded over the world
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            for name, ts in layout:
-                entries = [files.Entry(t.name, t.dtype, t.shape, _parts(t, feed)) for t in ts]
-                files.write(path / name, entries, metadata={"format": "pt"})
-            weights = [(n, ts) for n, ts in layout if n != ADAPTER_FILE]
-            write_weight_map(path, [n for n, _ in weights], [ts for _, ts in weights])
-            _write_configs(model, path, tensors)
-        except Exception as e:  # reported to every rank below, once they have all finished
-            problem = f"{type(e).__name__}: {e}"
-    feed.drain()
+    if rt.mesh.first_replica():  # hybrid sharding: the other replicas hold the same rows
+        with flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext():
+            if dist.get_rank() == 0:  # runtime_of checked that the model's mesh spans the world
+                problem = _write(model, path, layout, tensors, feed)
+            feed.drain()
     outcome = [problem]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
         raise CheckpointError(f"save_pretrained to {path} failed on rank 0: {outcome[0]}")
     return path
+
+
+def _write(model: nn.Module, path: Path, layout, tensors: list[_Out], feed: _Feed) -> str:
+    """Rank 0: write the files, the weight map and the configs; return "" or what went wrong."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for name, ts in layout:
+            entries = [files.Entry(t.name, t.dtype, t.shape, _parts(t, feed)) for t in ts]
+            files.write(path / name, entries, metadata={"format": "pt"})
+        weights = [(n, ts) for n, ts in layout if n != ADAPTER_FILE]
+        write_weight_map(path, [n for n, _ in weights], [ts for _, ts in weights])
+        _write_configs(model, path, tensors)
+    except Exception as e:  # reported to every rank once they have all finished
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 class _Feed:

@@ -1,7 +1,8 @@
 """``save``: every rank writes its own rows of every tensor; rank 0 commits the checkpoint.
 
 1. Each rank takes a snapshot: its rows of every parameter and optimizer state tensor (see
-   state.py), and its RNG states; rank 0 adds the buffers, the optimizer's scalar state, its
+   state.py; with hybrid sharding, only the first replica's ranks: the others hold the same
+   rows), and its RNG states; rank 0 adds the buffers, the optimizer's scalar state, its
    param groups and ``extra``. The ranks agree (one all-gather) that every snapshot worked and
    on the temporary directory, so a problem on one rank stops all before anything is written.
 2. Each rank writes its file into the temporary directory (commit.py), then reports its size,
@@ -135,9 +136,11 @@ def save(
 
     Collective: every rank calls it. Each rank writes only its own rows of every parameter and
     optimizer state tensor (rank 0 also the buffers) into one safetensors file, under the
-    parameters' original names, plus its RNG states; rank 0 writes the index and commits. The
-    directory appears under ``path`` only once complete (an existing one is replaced), so a
-    crash at any moment leaves the previous checkpoints loadable. ``step`` and ``extra`` (any
+    parameters' original names, plus its RNG states; rank 0 writes the index and commits.
+    With hybrid sharding the ranks of rank 0's shard group write the rows, once; the other
+    replicas' files hold only their RNG states. The directory appears under ``path`` only once
+    complete (an existing one is replaced), so a crash at any moment leaves the previous
+    checkpoints loadable. ``step`` and ``extra`` (any
     JSON value, e.g. a data position; rank 0's is kept) come back from ``load()``.
 
     async_: copy the snapshot to host memory and write it in a background thread while
@@ -146,7 +149,7 @@ def save(
     """
     rt = runtime_of(model, "save")
     finish_pending(model)
-    group = rt.units[0].group
+    group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     path = Path(path)
     problem, snap = "", None

@@ -4,7 +4,9 @@ Parameters are named by their first qualified name (a tied parameter's other nam
 aliases). Every tensor is split by rows as the layout splits parameters: rank r of N owns rows
 ``[r*R, (r+1)*R)``, R = ceil(rows / N), a 0-dim tensor counting as one row. A sharded unit's
 rank holds and saves just those rows; a replicated (no_shard) unit's rank holds all rows but
-saves only its share, so every rank writes 1/N of every tensor whatever the strategy.
+saves only its share, so every rank writes 1/N of every tensor whatever the strategy. With
+hybrid sharding N is the shard group's size, and only the first replica (the shard group
+holding rank 0) saves its rows: every row is written once, not once per replica.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class ParamSlot:
     aliases: tuple[str, ...]  # its other qualified names (tied parameters)
     shape: tuple[int, ...]  # full shape
     held: tuple[int, int]  # rows of the full parameter that ``tensor`` holds
-    saved: tuple[int, int]  # rows this rank writes (within ``held``)
+    saved: tuple[int, int]  # rows this rank writes (within ``held``; none outside the first replica)
     tensor: nn.Parameter  # what model.parameters() yields: the shard, or the whole parameter
 
     def rows_view(self, t: torch.Tensor) -> torch.Tensor:
@@ -44,11 +46,11 @@ class ParamSlot:
 
 
 def runtime_of(model: nn.Module, what: str) -> Runtime:
-    """The model's runtime, idle, sharded over the whole world (one replica of the model)."""
+    """The model's runtime, idle, its mesh spanning the whole world (sharded over it, or
+    hybrid: sharded within groups and replicated across them)."""
     rt = _runtime(model)
     _require_idle(rt, what)
-    group = rt.units[0].group
-    if dist.get_world_size(group) != dist.get_world_size():
+    if dist.get_world_size(rt.mesh.whole) != dist.get_world_size():
         raise NotImplementedError(
             f"{what}() of a model sharded over a subgroup of the world is not supported: shard the "
             "model over the default group"
@@ -58,6 +60,7 @@ def runtime_of(model: nn.Module, what: str) -> Runtime:
 
 def param_slots(rt: Runtime) -> list[ParamSlot]:
     """Every parameter of the model, in ``named_parameters()`` order."""
+    writes = rt.mesh.first_replica()
     slots = []
     for unit in rt.units:
         names: dict[int, list[str]] = {}
@@ -68,8 +71,9 @@ def param_slots(rt: Runtime) -> list[ParamSlot]:
         for i, p in enumerate(params):
             first, *aliases = names[i]
             shape = tuple(unit.full_params[i].shape)
-            saved = owned_rows(shape, unit.rank, unit.world)
-            held = saved if sharded else (0, shape[0] if shape else 1)
+            owned = owned_rows(shape, unit.rank, unit.world)
+            held = owned if sharded else (0, shape[0] if shape else 1)
+            saved = owned if writes else (owned[0], owned[0])
             slots.append(ParamSlot(first, tuple(aliases), shape, held, saved, p))
     order = {name: i for i, (name, _) in enumerate(rt.root.named_parameters())}
     return sorted(slots, key=lambda s: order[s.name])

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import units
+from ..api import _runtime, units
+from ..policies import Sharding
 from ..unit import ReplicatedUnit, ShardedUnit
 
 
@@ -68,32 +69,59 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
     """Bytes per rank per step that the strategy moves in theory, for psi parameters on N ranks
     with b bytes per element sent: full shard 3 psi b (N-1)/N (two gathers, one
     reduce-scatter), shard_grad_op and DDP 2 psi b (N-1)/N. With mixed precision the gathers
-    send b_gather and the reduction b_reduce bytes per element."""
+    send b_gather and the reduction b_reduce bytes per element. Hybrid sharding on R replicas
+    of S ranks: the same within the shard group, with S for N (``within``), and each rank's
+    reduced shard all-reduced across the replicas, 2 psi b (R-1)/(R S) (``across``)."""
     full = _full_numel(model)
     psi = sum(full.values())
     us = units(model)
+    mesh = _runtime(model).mesh
     n = dist.get_world_size(us[0].group)
+    r = dist.get_world_size(mesh.replicate) if mesh.replicate is not None else 1
     b_gather = us[0].compute_dtype.itemsize
     b_reduce = us[0].reduce_dtype.itemsize
-    gathers = {"full_shard": 2, "shard_grad_op": 1, "no_shard": 0}[strategy]
-    if strategy == "no_shard":
+    sharding = Sharding.of(strategy)
+    gathers = 2 if sharding.reshard_after_forward else 1 if sharding.shard else 0
+    g = "S" if sharding.hybrid else "N"
+    if not sharding.shard:
         total, formula = 2 * psi * b_reduce * (n - 1) // n, "2*psi*b*(N-1)/N"
         b = b_reduce
     elif b_gather == b_reduce:
         b = b_gather
         total = (gathers + 1) * psi * b * (n - 1) // n
-        formula = f"{gathers + 1}*psi*b*(N-1)/N"
+        formula = f"{gathers + 1}*psi*b*({g}-1)/{g}"
     else:
         b = f"{b_gather} (gather), {b_reduce} (reduce)"
         total = (gathers * b_gather + b_reduce) * psi * (n - 1) // n
-        formula = f"({gathers}*b_gather + b_reduce)*psi*(N-1)/N"
+        formula = f"({gathers}*b_gather + b_reduce)*psi*({g}-1)/{g}"
+    across = 0
+    if sharding.hybrid:
+        across = 2 * psi * b_reduce * (r - 1) // (r * n)
+        formula += " + 2*psi*b_reduce*(R-1)/(R*S)" if b_gather != b_reduce else " + 2*psi*b*(R-1)/(R*S)"
+    kept = (
+        "measured is lower by the root unit's backward gather (it stays gathered from forward "
+        "to backward) and higher by padding rows"
+    )
     notes = {
-        "full_shard": "measured is lower by the root unit's backward gather (it stays "
-        "gathered from forward to backward) and higher by padding rows",
+        "full_shard": kept,
         "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
         "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
+        "hybrid_shard": kept + "; the replica all-reduce moves each rank's reduced shard across "
+        "the replicas",
+        "hybrid_shard_grad_op": "one gather in forward and one reduce-scatter in the shard group, "
+        "then the replica all-reduce of each rank's reduced shard; padding rows add a little",
     }
-    return {"formula": formula, "bytes": total, "psi": psi, "b": b, "note": notes[strategy]}
+    return {
+        "formula": formula,
+        "bytes": total + across,
+        "within": total,
+        "across": across,
+        "replicas": r,
+        "shard": n,
+        "psi": psi,
+        "b": b,
+        "note": notes[strategy],
+    }
 
 
 def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, show: bool = True) -> list[dict]:

@@ -2,6 +2,7 @@
 
     shardwise bench --model small --nproc 2              # local ranks on CPU (Gloo), or:
     torchrun --nproc_per_node 8 -m shardwise bench --model large --mixed-precision bf16
+    shardwise bench --nproc 4 --strategy hybrid_shard --shard-size 2   # against FSDP2's HSDP
 
 Every rank runs every system in alternation (A B C A B C ...) for several rounds, after one
 discarded visit that warms the process (allocator, kernels, connections): each visit
@@ -47,7 +48,7 @@ from .. import groups
 from ..collectives import step_check_nbytes
 from . import charts
 
-SYSTEMS = (
+SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
     "floor",
     "ddp",
     "shardwise/no_shard",
@@ -56,6 +57,23 @@ SYSTEMS = (
     "fsdp2/shard_grad_op",
     "shardwise/shard_grad_op",
 )
+# hybrid sharding on a 2-D mesh (replicas x shard groups of --shard-size): FSDP2's HSDP is
+# fully_shard on the same DeviceMesh
+HYBRID_SYSTEMS = (
+    "fsdp2/hybrid_shard",
+    "shardwise/hybrid_shard",
+    "fsdp2/hybrid_shard_grad_op",
+    "shardwise/hybrid_shard_grad_op",
+)
+KNOWN = SYSTEMS + HYBRID_SYSTEMS
+STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_grad_op")
+
+
+def systems_for(strategy: str) -> tuple[str, ...]:
+    """The systems that ``--strategy`` compares: the floor, DDP, and both FSDPs under it."""
+    return ("floor", "ddp", *(s for s in KNOWN if s.partition("/")[2] == strategy))
+
+
 MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
 MLP_DIMS = [1024] * 9  # 8 Linear(1024, 1024) layers: 8.4M parameters
 REDOS = 3  # times a visit is run again when other processes took more than --quiet of the CPU
@@ -77,6 +95,7 @@ class BenchConfig:
     steps: int = 3  # timed steps per visit
     warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
     systems: tuple[str, ...] = SYSTEMS  # which systems to run (comma-separated on the CLI)
+    shard_size: int = 0  # hybrid systems: ranks per shard group (0: LOCAL_WORLD_SIZE, one node)
     mixed_precision: str = "none"  # none | bf16 (autocast for DDP and the floor)
     compile: bool = False  # torch.compile every block of every system alike (inductor)
     seed: int = 0  # model initialisation and data
@@ -87,8 +106,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: use one of {', '.join(MODELS)}")
-        if bad := [s for s in self.systems if s not in SYSTEMS]:
-            raise ValueError(f"unknown systems {bad}; valid: {', '.join(SYSTEMS)}")
+        if bad := [s for s in self.systems if s not in KNOWN]:
+            raise ValueError(f"unknown systems {bad}; valid: {', '.join(KNOWN)}")
+        if self.shard_size < 0:
+            raise ValueError(f"shard_size={self.shard_size} must be positive (0: one node)")
         if self.mixed_precision not in ("none", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: use none or bf16")
         if self.vocab_size < 256:
@@ -118,8 +139,18 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per visit")
     p.add_argument(
         "--systems",
-        default=",".join(d.systems),
-        help="comma-separated subset of: " + ", ".join(SYSTEMS),
+        help="comma-separated subset of: " + ", ".join(KNOWN) + " (default: " + ", ".join(SYSTEMS) + ")",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        help="compare under one strategy: the floor, DDP, FSDP2 and shardwise (instead of --systems)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=d.shard_size,
+        help="hybrid strategies: ranks per shard group (default: the ranks of one node)",
     )
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
     p.add_argument(
@@ -136,7 +167,15 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "of the machine's CPU during it, and wait for such a quiet machine before each (1: never)",
     )
     a = vars(p.parse_args(argv))
-    a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
+    strategy = a.pop("strategy")
+    if strategy is not None and a["systems"] is not None:
+        p.error("pass --strategy or --systems, not both")
+    if strategy is not None:
+        a["systems"] = systems_for(strategy)
+    elif a["systems"] is not None:
+        a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
+    else:
+        a["systems"] = d.systems
     return BenchConfig(**a)
 
 
@@ -222,8 +261,26 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     return Workload(build, block, batches, loss, tokens, total, root, trained)
 
 
-def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh):
-    """A fresh model of system ``name`` from the seed, its AdamW, and the forward's context."""
+def device_meshes(cfg: BenchConfig, device: torch.device) -> dict[int, object]:
+    """The DeviceMeshes the systems need (collective): 1, every rank in one group (FSDP2);
+    2, replicas x shard groups of ``--shard-size`` (FSDP2's HSDP and shardwise's hybrid)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    meshes: dict[int, object] = {}
+    if any(s.startswith("fsdp2/") and s not in HYBRID_SYSTEMS for s in cfg.systems):
+        meshes[1] = init_device_mesh(device.type, (world,))
+    if any(s in HYBRID_SYSTEMS for s in cfg.systems):
+        size = cfg.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % size:
+            raise ValueError(f"--shard-size {size} does not divide the {world} ranks")
+        meshes[2] = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
+    return meshes
+
+
+def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes: dict):
+    """A fresh model of system ``name`` from the seed, its AdamW, and the forward's context
+    (``meshes``: from ``device_meshes``)."""
     from .. import api, wrap
 
     torch.manual_seed(cfg.seed)
@@ -231,11 +288,14 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
     bf16 = cfg.mixed_precision == "bf16"
     autocast = contextlib.nullcontext
     kind, _, strategy = name.partition("/")
+    hybrid = name in HYBRID_SYSTEMS
+    mesh = meshes.get(2 if hybrid else 1)
     if kind == "shardwise":
         api.shard(
             model,
             wrap=wrap.by_class(work.block),
             strategy=strategy,
+            mesh=mesh if hybrid else None,  # the same 2-D mesh as FSDP2's HSDP
             mixed_precision="bf16" if bf16 else None,
         )
     elif kind == "fsdp2":
@@ -249,7 +309,10 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
         for m in model.modules():
             if isinstance(m, work.block):
                 fully_shard(
-                    m, mesh=mesh, reshard_after_forward=strategy == "full_shard", mp_policy=mp
+                    m,
+                    mesh=mesh,
+                    reshard_after_forward=strategy in ("full_shard", "hybrid_shard"),
+                    mp_policy=mp,
                 )
         # the root keeps its default: not resharded after forward, as shardwise's root unit
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -299,20 +362,16 @@ def run_rank(cfg: BenchConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = groups.device()
     work = workload(cfg, rank, world, device)
-    mesh = None
-    if any(s.startswith("fsdp2") for s in cfg.systems):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (world,))
+    meshes = device_meshes(cfg, device)
     out: dict[str, dict] = {s: {"visits": []} for s in cfg.systems}
     timed_visit(
-        cfg.systems[0], cfg, work, device, mesh
+        cfg.systems[0], cfg, work, device, meshes
     )  # discarded: the process's first steps are slow
     for r in range(cfg.rounds):
         for name in cfg.systems:
             for attempt in range(1 + REDOS):
                 quiet = _wait_until_quiet(cfg.quiet)
-                visit = timed_visit(name, cfg, work, device, mesh)
+                visit = timed_visit(name, cfg, work, device, meshes)
                 visit["others_load"] = _others_load(visit)
                 if visit["others_load"] <= cfg.quiet or not quiet or attempt == REDOS:
                     break  # (a machine that never fell quiet gets no redo: it would not help)
@@ -326,13 +385,14 @@ def run_rank(cfg: BenchConfig) -> dict:
                     flush=True,
                 )
     for name in cfg.systems:
-        out[name].update(counted_visit(name, cfg, work, device, mesh))
+        out[name].update(counted_visit(name, cfg, work, device, meshes))
         if rank == 0:
             print(f"counted {name}", file=sys.stderr, flush=True)
     everyone = [None] * world
     dist.all_gather_object(everyone, out)
     return {
         "ranks": everyone,
+        "mesh": list(meshes[2].shape) if 2 in meshes else None,  # (replicas, shard group size)
         "num_params": work.num_params,
         "root_params": work.root_params,
         "trained_tensors": work.trained_tensors,
@@ -342,13 +402,13 @@ def run_rank(cfg: BenchConfig) -> dict:
     }
 
 
-def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh) -> dict:
+def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes) -> dict:
     """Build ``name`` from the seed, run its warm-up and timed steps, free it; return the
     step times, the first step's loss and, per timed step, this process's CPU seconds (all its
     threads, Gloo's included) and the whole machine's busy CPU seconds (Linux)."""
     from ..collectives import comm_stats, reset_comm_stats
 
-    model, opt, autocast = build_system(name, cfg, work, device, mesh)
+    model, opt, autocast = build_system(name, cfg, work, device, meshes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     visit = {"times": [], "own_cpu": [], "busy": [], "first_loss": None}
@@ -426,7 +486,8 @@ class CommCounter(TorchDispatchMode):
 
     Bytes are what a ring moves per rank, as ``shardwise.comm_stats`` books them: (N-1)/N of the
     full tensor for all-gather and reduce-scatter (and of the tensor of a broadcast or reduce),
-    twice that for all-reduce; N is the default group's size.
+    twice that for all-reduce; N is the size of the collective's group (the default group's,
+    ``world``, where the op does not say).
     """
 
     # op name -> (kind, which argument holds the full tensor(s))
@@ -458,11 +519,21 @@ class CommCounter(TorchDispatchMode):
                 kind, i = self.OPS[name]
                 full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
                 factor = 2 if kind == "all_reduce" else 1
-                moved = factor * full * (self.world - 1) // self.world
+                n = _group_size(args, self.world)
+                moved = factor * full * (n - 1) // n
                 self.bytes[kind] = self.bytes.get(kind, 0) + moved
             elif name not in ("barrier", "monitored_barrier_", "recv_"):
                 self.unknown.add(name)
         return func(*args, **(kwargs or {}))
+
+
+def _group_size(args, default: int) -> int:
+    """The size of the process group among a c10d op's arguments (boxed as a ScriptObject)."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            with contextlib.suppress(Exception):
+                return dist.ProcessGroup.unbox(a).size()
+    return default
 
 
 def _flat_tensors(obj) -> list[torch.Tensor]:
@@ -477,12 +548,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, mesh) -> dict:
+def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes) -> dict:
     """One more visit of ``name``: after the warm-up steps, one step under ``CommCounter`` and,
     on CPU, one under ``MemTracker`` (both slow every op down, so no timed step runs under them)."""
     from ..collectives import comm_stats, reset_comm_stats
 
-    model, opt, autocast = build_system(name, cfg, work, device, mesh)
+    model, opt, autocast = build_system(name, cfg, work, device, meshes)
     ddp = _ddp_buckets(model) if device.type == "cpu" else None
     for x, y in work.batches[: cfg.warmup]:
         train_step(model, opt, autocast, work, x, y)
@@ -559,23 +630,36 @@ def _tracked_peak(model, opt, kept: list[torch.Tensor], autocast, work: Workload
 
 # --------------------------------------------------------------------------- summary
 def _theory(
-    system: str, psi: int, root: int, trained: int, world: int, b_gather: int, b_reduce: int
+    system: str,
+    psi: int,
+    root: int,
+    trained: int,
+    world: int,
+    b_gather: int,
+    b_reduce: int,
+    mesh: tuple[int, int] | None = None,
 ) -> int:
     """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
     full shard gathers every unit twice, less the root's backward gather (the root stays
     gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
-    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). shardwise
-    adds its step check: one all-reduce of a flag per trained parameter and two numbers."""
+    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). Hybrid
+    systems on ``mesh`` (R replicas x S): the same over the S ranks of a shard group, and each
+    rank's reduced shard all-reduced across the R replicas (2 psi b (R-1)/(R S)). shardwise
+    adds its step check over all N: one all-reduce of a flag per trained parameter and two
+    numbers."""
     if system == "floor":
         return 0
-    if system.endswith("full_shard"):
+    strategy = system.partition("/")[2]
+    r, s = mesh if system in HYBRID_SYSTEMS else (1, world)
+    if strategy in ("full_shard", "hybrid_shard"):
         gathered = (2 * psi - root) * b_gather + psi * b_reduce
-    elif system.endswith("shard_grad_op"):
+    elif strategy in ("shard_grad_op", "hybrid_shard_grad_op"):
         gathered = psi * b_gather + psi * b_reduce
     else:
         gathered = 2 * psi * b_reduce
+    across = 2 * psi * b_reduce * (r - 1) // (r * s)
     check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
-    return gathered * (world - 1) // world + check
+    return gathered * (s - 1) // s + across + check
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -628,6 +712,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
                 world,
                 b_gather,
                 4,
+                results.get("mesh"),
             ),
             "wait_ms_per_step": 1e3 * sum(v[0]["wait_s"] for v in kept) / len(steps),
             "first_losses": [[v["first_loss"] for v in p["visits"]] for p in per_rank],
@@ -641,6 +726,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
     return {
         "config": asdict(cfg),
         "world_size": world,
+        "mesh": results.get("mesh"),
         "num_params": results["num_params"],
         "tokens_per_step": results["tokens_per_step"],
         "machine": results["machine"],
@@ -699,7 +785,13 @@ def render_markdown(summary: dict) -> str:
     """The results table (and how it was made) as markdown."""
     c = summary["config"]
     lines = [
-        f"{summary['machine']}; {summary['world_size']} ranks, {c['threads']} thread(s) each; "
+        f"{summary['machine']}; {summary['world_size']} ranks"
+        + (
+            f" (hybrid: {summary['mesh'][0]} replicas x shard groups of {summary['mesh'][1]})"
+            if summary.get("mesh")
+            else ""
+        )
+        + f", {c['threads']} thread(s) each; "
         f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
         + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")
         + (f" of a {c['vocab_size']}-token vocabulary" if c.get("vocab_size", 256) != 256 else "")

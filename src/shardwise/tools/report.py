@@ -3,7 +3,8 @@
     shardwise report run.trace.json -o report.html [--step N] [--chrome run.chrome.json]
 
 The page shows one recorded step on every rank: a timeline (compute, all-gather,
-reduce-scatter or all-reduce, with the time each rank was blocked), memory over time by
+reduce-scatter or all-reduce and, with hybrid sharding, the all-reduce across replicas, with
+the time each rank was blocked), memory over time by
 category, a mechanism view that replays the step event by event (which units are sharded,
 in flight or gathered on each rank, and which reductions are in flight; Reset, Play, Pause and
 Step), and the run's figures: bytes sent against theory and memory against DDP. Everything it
@@ -19,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..collectives import step_check_nbytes
+from ..policies import Sharding
 from . import trace as T
 
 TEMPLATE = "report_template.html"
@@ -46,7 +48,7 @@ def build(data: dict, step: int = -1) -> dict:
         _depths(spans)
         lanes = {
             track: T.lanes([s for s in spans if s["track"] == track])
-            for track in ("gather", "reduce")
+            for track in ("gather", "reduce", "replica")
         }
         memory = [
             [_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"
@@ -73,6 +75,7 @@ def build(data: dict, step: int = -1) -> dict:
         "steps": n_steps,
         "world_size": data["world_size"],
         "strategy": data["strategy"],
+        "mesh": _mesh(data),
         "categories": data["categories"],
         "units": [u["name"] for u in units],
         "unit_kinds": [u["kind"] for u in units],
@@ -131,15 +134,25 @@ def _states_before(events: list[list], t: float, units: list[dict]) -> list[str]
     return states
 
 
+def _mesh(data: dict) -> dict:
+    """Replicas (R) and shard group size (S); traces from before hybrid sharding: (1, N)."""
+    return data.get("mesh") or {"replicate": 1, "shard": data["world_size"]}
+
+
 def figures(data: dict, index: int) -> dict:
-    """Bytes each rank sent in the step against theory, and memory against DDP."""
+    """Bytes each rank sent in the step against theory, and memory against DDP. With hybrid
+    sharding the bytes are also split by link: within the shard groups (gathers and
+    reduce-scatters over S ranks) and across them (the replica all-reduce over R ranks)."""
     n = data["world_size"]
+    mesh = _mesh(data)
+    reps, s = mesh["replicate"], mesh["shard"]
     units = data["units"]
     psi = sum(u["params"] for u in units)
     b_gather = _ITEM[data["precision"]["param_dtype"]]
     b_reduce = _ITEM[data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"]]
-    gathers = {"full_shard": 2, "shard_grad_op": 1, "no_shard": 0}[data["strategy"]]
-    if data["strategy"] == "no_shard":
+    sharding = Sharding.of(data["strategy"])
+    gathers = 2 if sharding.reshard_after_forward else 1
+    if not sharding.shard:
         theory = {
             "all_gather": 0,
             "reduce_scatter": 0,
@@ -148,15 +161,22 @@ def figures(data: dict, index: int) -> dict:
         formula = "2*psi*b*(N-1)/N"
     else:
         theory = {
-            "all_gather": gathers * psi * b_gather * (n - 1) // n,
-            "reduce_scatter": psi * b_reduce * (n - 1) // n,
+            "all_gather": gathers * psi * b_gather * (s - 1) // s,
+            "reduce_scatter": psi * b_reduce * (s - 1) // s,
             "all_reduce": 0,
         }
-        formula = f"({gathers}*b_gather + b_reduce)*psi*(N-1)/N"
+        group = "S" if sharding.hybrid else "N"
+        formula = f"({gathers}*b_gather + b_reduce)*psi*({group}-1)/{group}"
+    if sharding.hybrid:
+        theory["replica_all_reduce"] = 2 * psi * b_reduce * (reps - 1) // (reps * s)
+        formula += " + 2*b_reduce*psi*(R-1)/(R*S)"
     # the step check: one all-reduce of a flag per trained parameter and two numbers
     trained = sum(u.get("trained", 0) for u in units)
     theory["step_check"] = 2 * step_check_nbytes(trained) * (n - 1) // n if n > 1 else 0
     formula += " + step check"
+    # the ranks each kind runs over: gathers, reduce-scatters and clipping's all-reduce in
+    # the shard group (the world, without hybrid sharding)
+    over = {"all_gather": s, "reduce_scatter": s, "all_reduce": s, "replica_all_reduce": reps, "step_check": n}
     sent, blocked, comm_time, step_time = [], [], [], []
     for r in data["ranks"]:
         start, end = r["steps"][index]
@@ -166,8 +186,9 @@ def figures(data: dict, index: int) -> dict:
             if e[1] == "collective" and start <= e[0] <= end:
                 kind, payload = e[3], e[4]
                 if kind in by_kind:
-                    twice = kind in ("all_reduce", "step_check")
-                    by_kind[kind] += (2 if twice else 1) * payload * (n - 1) // n
+                    twice = kind in ("all_reduce", "replica_all_reduce", "step_check")
+                    g = over[kind]
+                    by_kind[kind] += (2 if twice else 1) * payload * (g - 1) // g
                 wait += e[6]
         spans = [
             s for s in T.spans(r, units) if s["track"] != "compute" and start <= s["start"] <= end
@@ -197,11 +218,21 @@ def figures(data: dict, index: int) -> dict:
             opt_total += max(m[2 + data["categories"].index("optimizer")] for m in ends)
     master = sum(u["params"] * _ITEM[u["dtype"]] for u in units)
     ddp_state = 2 * master + opt_total  # whole parameters and gradients, all of the state
+    links = None
+    if sharding.hybrid:
+        within = ("all_gather", "reduce_scatter", "all_reduce")
+        links = {
+            "within": [sum(x[k] for k in within) for x in sent],
+            "across": [x["replica_all_reduce"] for x in sent],
+            "theory_within": sum(theory[k] for k in within),
+            "theory_across": theory["replica_all_reduce"],
+        }
     return {
         "psi": psi,
         "formula": formula,
         "theory": theory,
         "sent": sent,
+        "links": links,
         "blocked_s": blocked,
         "comm_s": comm_time,
         "step_s": step_time,
@@ -215,8 +246,14 @@ def figures(data: dict, index: int) -> dict:
 def _title(data: dict) -> str:
     p = data["precision"]
     precision = p["param_dtype"] or "fp32"
+    mesh = _mesh(data)
+    layout = (
+        f" ({mesh['replicate']} replicas x {mesh['shard']} shards)"
+        if Sharding.of(data["strategy"]).hybrid
+        else ""
+    )
     return (
-        f"{data['strategy']} on {data['world_size']} rank{'s' * (data['world_size'] > 1)}, "
+        f"{data['strategy']} on {data['world_size']} rank{'s' * (data['world_size'] > 1)}{layout}, "
         f"{len(data['units'])} units, {sum(u['params'] for u in data['units']):,} parameters, "
         f"compute {precision}{', cpu offload' if data['cpu_offload'] else ''}"
     )

@@ -597,11 +597,18 @@ class Trace:
             dist.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
+        mesh = self.runtime.mesh
         return {
             "format": FORMAT,
             "version": VERSION,
             "world_size": world,
             "strategy": self.runtime.strategy,
+            # (replicas, shard group size): gathers and reduce-scatters run within a shard
+            # group, hybrid sharding's replica all-reduces across them
+            "mesh": {
+                "replicate": dist.get_world_size(mesh.replicate) if mesh.replicate is not None else 1,
+                "shard": dist.get_world_size(mesh.shard),
+            },
             "precision": {
                 "param_dtype": _dtype(self.runtime.precision.param_dtype),
                 "reduce_dtype": _dtype(self.runtime.precision.reduce_dtype),
@@ -688,7 +695,9 @@ def load(path: str | Path) -> dict:
 
 def spans(rank: dict, units: list[dict]) -> list[dict]:
     """Every span of one rank: compute (forward/backward of a unit, the optimizer step) and
-    communication (gather, reduce), each with start, end, track and label."""
+    communication (gather, reduce; with hybrid sharding, replica: the all-reduce of a unit's
+    reduced shard across the replicas, from its issue to its wait), each with start, end,
+    track and label."""
     out: list[dict] = []
     open_compute: dict[tuple[str, int], float] = {}
     issued: dict[tuple[str, int], list] = {}
@@ -715,6 +724,10 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
             issued.setdefault((stream, unit), []).append([t, None, ev[3], None])
         elif kind in ("gather_complete", "reduce_complete"):
             _close(issued, (kind.split("_")[0], unit), t)
+        elif kind == "collective" and ev[3] == "replica_all_reduce":
+            s = _span("replica", "all_reduce", name(unit), ev[5], t)
+            s.update(bytes=ev[4], wait=ev[6])
+            out.append(s)
         elif kind == "collective":
             stream = (
                 "gather"
@@ -817,8 +830,13 @@ def to_chrome(data: dict) -> dict:
     """The trace in Chrome's trace event format: one process per rank; one thread for compute
     and one per lane of each communication stream (see ``lanes``); complete events in
     microseconds; memory counters per device."""
-    names = {"compute": "compute", "gather": "all-gather", "reduce": "reduce-scatter / all-reduce"}
-    base = {"compute": 0, "gather": 100, "reduce": 200}
+    names = {
+        "compute": "compute",
+        "gather": "all-gather",
+        "reduce": "reduce-scatter / all-reduce",
+        "replica": "all-reduce across replicas",
+    }
+    base = {"compute": 0, "gather": 100, "reduce": 200, "replica": 300}
     out = []
     for r in data["ranks"]:
         pid = r["rank"]
@@ -829,6 +847,8 @@ def to_chrome(data: dict) -> dict:
         every = spans(r, data["units"])
         for track in names:
             mine = [s for s in every if s["track"] == track]
+            if track == "replica" and not mine:  # hybrid sharding only
+                continue
             n = lanes(mine) if track != "compute" else 1
             for lane in range(n):
                 label = names[track] + (f" ({lane + 1})" if lane else "")
