@@ -81,19 +81,6 @@ def apart():
         _apart -= 1
 
 
-@contextlib.contextmanager
-def apart():
-    """Records of their own inside (the planner's fake world, Note [fake world] in
-    collectives.py): this process's ring, call numbers and digest stay as they were."""
-    global _ring, _seq, _digest
-    saved = _ring, _seq, _digest
-    _ring, _seq, _digest = deque(maxlen=RING), 0, 0
-    try:
-        yield
-    finally:
-        _ring, _seq, _digest = saved
-
-
 def record(kind: str, label: str, numel: int, dtype) -> Record:
     """Note a collective about to be issued; returns its record (mark ``done`` at completion)."""
     global _seq, _digest
