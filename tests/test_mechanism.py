@@ -10,7 +10,6 @@ import torch.nn as nn
 from nets import Block, batch, local_slice, loss_of, make, wrap_policy
 
 import shardwise
-from shardwise.api import _runtime
 from shardwise.unit import ReplicatedUnit, ShardedUnit
 
 
@@ -62,11 +61,9 @@ def comm_per_step(strategy, steps=3):
     model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     n = dist.get_world_size()
-    last = None
-    for step in range(steps + 1):  # the first step learns the order (which unit runs last)
+    for step in range(steps + 1):  # the first step learns the orders
         if step == 1:
             shardwise.reset_comm_stats()
-            last = _runtime(model).last_forward
         x, y = batch("tied", step, 2 * n)
         loss_of(model, local_slice(x), local_slice(y)).backward()
         opt.step()
@@ -75,7 +72,7 @@ def comm_per_step(strategy, steps=3):
     expected = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for u in shardwise.units(model):
         if isinstance(u, ShardedUnit):
-            gathers = 2 if strategy == "full_shard" and not u.is_root and u is not last else 1
+            gathers = 2 if strategy == "full_shard" and not u.is_root else 1
             expected["all_gather"] += gathers * (u.layout.unsharded_numel * 4) * (n - 1) // n
             expected["reduce_scatter"] += (u.grad_layout.unsharded_numel * 4) * (n - 1) // n
         elif isinstance(u, ReplicatedUnit) and u.num_trainable:
@@ -85,8 +82,7 @@ def comm_per_step(strategy, steps=3):
     sharded = [u for u in shardwise.units(model) if isinstance(u, ShardedUnit)]
     padded = sum(u.layout.unsharded_numel for u in sharded)
     root = sum(u.layout.unsharded_numel for u in sharded if u.is_root)
-    # the unit that ran last in forward runs first in backward: full shard keeps it gathered
-    return measured, expected, padded, root + (last.layout.unsharded_numel if last is not None else 0)
+    return measured, expected, padded, root
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
@@ -101,8 +97,8 @@ def test_bytes_per_step_equal_theory(pools, world_size, strategy):
         return
     assert measured["all_reduce"] == 0
     assert padded >= psi  # padding rows (exact bound: test_layout)
-    # full shard: 3 psi b (N-1)/N, less the backward gathers of the root and of the last unit
-    # of forward (both stay gathered); shard_grad_op gathers once: 2 psi b (N-1)/N
+    # full shard: 3 psi b (N-1)/N, less the root's backward gather (it stays gathered);
+    # shard_grad_op gathers once: 2 psi b (N-1)/N
     theory = (3 * padded - kept if strategy == "full_shard" else 2 * padded) * b * (n - 1) / n
     assert abs(measured["all_gather"] + measured["reduce_scatter"] - theory) <= 8
 

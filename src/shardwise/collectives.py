@@ -21,10 +21,18 @@ other until the timeout and are named by the flight recorder (flight.py), instea
 two units' collectives: with equal sizes that sums the wrong tensors silently, and Gloo
 aborts the process that receives a larger message than it expects. Reductions may also
 come in a different order on different ranks (a unit whose backward runs later on one rank).
+
+Note [fake world]: the planner runs the real runtime as rank 0 of N ranks in one process, on
+fake tensors over torch's "fake" process group, which sends nothing (``groups.fake_world``).
+There, ``standing_in(backend)`` makes that group take the paths of the backend the plan is
+for (Gloo's rows or NCCL's buffer); collectives count, number their channels and record
+their flight apart from this process's own, which stay as they were; and the step check
+agrees at once (one process stands for every rank, and fake tensors hold no values to read).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 
@@ -72,15 +80,17 @@ def reset_comm_stats() -> None:
 
 class Pending:
     """An issued collective (one or more works); ``wait()`` blocks until it is done, runs
-    its completion step, if any, and books its time."""
+    its completion step, if any, and books its time. It holds the buffers it was handed until
+    then, as the backend's works do (torch's fake group, which the planner runs on, holds none)."""
 
-    __slots__ = ("works", "finish", "kind", "label", "t_issue", "nbytes", "result", "record", "_done")
+    __slots__ = ("works", "finish", "kind", "label", "t_issue", "nbytes", "result", "record", "buffers", "_done")
 
     def __init__(
-        self, works: list, finish, kind: str, label: str, t_issue: float, nbytes: int, result, record
+        self, works: list, finish, kind: str, label: str, t_issue: float, nbytes: int, result, record, buffers=None
     ):
         self.works, self.finish, self.kind, self.label = works, finish, kind, label
         self.t_issue, self.nbytes, self.result, self.record = t_issue, nbytes, result, record
+        self.buffers = buffers
         self._done = not works
         if self._done and record is not None:
             record.done = True
@@ -96,6 +106,7 @@ class Pending:
         try:
             for work in self.works:
                 work.wait()
+            work = None  # (it holds its buffers: they go with the works, before the event)
         except Exception as exc:  # Gloo raises on peer death and on timeout
             raise flight.diagnose(self.record, _cause(exc)) from exc
         self.record.done = True
@@ -106,7 +117,7 @@ class Pending:
         s.seconds += t1 - self.t_issue
         s.wait_seconds += t1 - t0
         self._done = True
-        self.works = self.finish = None
+        self.works = self.finish = self.buffers = None
         if events.listeners:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
 
@@ -123,9 +134,9 @@ def _book(kind: str, nbytes_full: int, world: int, factor: int = 1) -> None:
     s.bytes += factor * nbytes_full * (world - 1) // world
 
 
-def _issue(kind: str, label: str, nbytes: int, tensor: torch.Tensor, start) -> Pending:
+def _issue(kind: str, label: str, nbytes: int, tensor: torch.Tensor, start, buffers=None) -> Pending:
     """Record the collective, then ``start()`` it; it returns a work, or (works, completion
-    step, result)."""
+    step, result). The pending collective holds ``buffers`` until its wait."""
     record = flight.record(kind, label, tensor.numel(), tensor.dtype)
     t0 = time.perf_counter()
     try:
@@ -133,11 +144,33 @@ def _issue(kind: str, label: str, nbytes: int, tensor: torch.Tensor, start) -> P
     except Exception as exc:
         raise flight.diagnose(record, _cause(exc)) from exc
     works, finish, result = issued if isinstance(issued, tuple) else ([issued], None, None)
-    return Pending(works, finish, kind, label, t0, nbytes, result, record)
+    return Pending(works, finish, kind, label, t0, nbytes, result, record, buffers)
+
+
+_stands_for: str | None = None  # the backend torch's "fake" group stands for (Note [fake world])
+
+
+@contextlib.contextmanager
+def standing_in(backend: str):
+    """Inside, torch's "fake" group takes ``backend``'s collective paths, and collectives count,
+    number channels and record their flight apart from the caller's (Note [fake world])."""
+    global _stats, _stands_for, _channels
+    saved = _stats, _stands_for, _channels
+    _stats, _stands_for = {k: CollectiveStats() for k in KINDS}, backend
+    try:
+        with flight.apart():
+            yield
+    finally:
+        _stats, _stands_for, _channels = saved
 
 
 def _on_gloo(group) -> bool:
-    return dist.get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.GLOO
+    if dist.get_world_size(group) == 1:
+        return False
+    backend = dist.get_backend(group)
+    if backend == "fake" and _stands_for is not None:
+        backend = _stands_for
+    return backend == dist.Backend.GLOO
 
 
 def _global_rank(group, group_rank: int) -> int:
@@ -238,6 +271,7 @@ def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = world * buf.out.numel() * buf.out.element_size()
     _book("reduce_scatter", nbytes, world)
+    held = [buf.rows, buf.full]  # every buffer it uses, held by the pending collective
 
     def start():
         if world == 1:
@@ -245,6 +279,7 @@ def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending
         if buf.full is None:
             recv = list(buf.out.new_empty(world - 1, buf.out.numel()).unbind(0))
             recv.insert(rank, None)
+            held.append(recv)
             works = _exchange(buf.rows, recv, group, _tag(channel, 1))
 
             def add_received():
@@ -255,7 +290,7 @@ def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending
             return works, add_received, None
         return [_reduce_scatter_tensor(buf.out, buf.full, group=group, async_op=True)], None, None
 
-    return _issue("reduce_scatter", label, nbytes, buf.out, start)
+    return _issue("reduce_scatter", label, nbytes, buf.out, start, buffers=held)
 
 
 def all_reduce(
@@ -308,6 +343,8 @@ def step_check(flags: list[bool], group, buffer: torch.Tensor) -> list[bool]:
         "step_check", "<step check>", buffer.numel() * buffer.element_size(), buffer,
         lambda: dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group, async_op=True),
     ).wait()
+    if _stands_for is not None:  # one process stands for every rank: they agree
+        return list(flags)
     agreed = buffer.tolist()
     if agreed[-2] != digest or -agreed[-1] != digest:
         raise flight.diagnose(None, "ranks issued different collectives in this step")

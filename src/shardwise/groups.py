@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,14 +71,16 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A Gloo group over the ranks of ``group`` (None: the world) for small host-side
     agreements (one per group and process; None for one rank). Its own group, so that its
     collectives never meet the data collectives, and on the host, so that reading its result
-    never waits for a GPU. Collective: every rank of ``group`` calls it in the same order."""
+    never waits for a GPU (in a fake world, a fake group). Collective: every rank of ``group``
+    calls it in the same order."""
     if dist.get_world_size(group) == 1:
         return None
     key = group if group is not None else dist.group.WORLD
     if key not in _host_groups:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
+        backend = "fake" if dist.get_backend() == "fake" else "gloo"
         _host_groups[key] = dist.new_group(
-            ranks, backend="gloo", timeout=timedelta(seconds=timeout_s()), use_local_synchronization=ranks is not None
+            ranks, backend=backend, timeout=timedelta(seconds=timeout_s()), use_local_synchronization=ranks is not None
         )
     return _host_groups[key]
 
@@ -161,6 +164,31 @@ def mesh_of(group, mesh, *, hybrid: bool, shard_size: int | None) -> Mesh:
         replicate_group, _ = dist.new_subgroups_by_enumeration(cols, timeout=timeout, backend=dist.get_backend())
         _meshes[key] = Mesh(shard_group, replicate_group if len(rows) > 1 else None, None)
     return _meshes[key]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, backend: str) -> Iterator[None]:
+    """A world of ``world_size`` ranks inside this process, which is rank 0, over torch's
+    "fake" process group (nothing is sent; torchtitan estimates memory the same way): the
+    planner runs the real runtime in it on fake tensors. Its collectives take ``backend``'s
+    paths and count apart from this process's (Note [fake world] in collectives.py). It is the
+    default group, so the process must have none yet; the groups made in it go with it."""
+    if dist.is_initialized():
+        raise RuntimeError("a fake world needs a process without a default process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    from . import collectives  # (collectives imports flight, which imports this module)
+
+    saved = dict(_host_groups), dict(_meshes)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with collectives.standing_in(backend):
+            yield
+    finally:
+        dist.destroy_process_group()
+        for cache, before in zip((_host_groups, _meshes), saved):
+            cache.clear()
+            cache.update(before)
 
 
 def device() -> torch.device:

@@ -3,11 +3,11 @@ end-of-backward callback. One ``Runtime`` per sharded model.
 
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
 the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
-except the unit that ran last, which backward needs first) and registers the pre-backward hook
-on the unit's outputs. Backward: the pre-backward hook gathers again and prefetches in
-backward order; an identity autograd function on the unit's inputs marks the end of its
-backward, where it reshards and issues its reduce-scatter (Note [when a unit reduces]), while
-earlier layers still compute, after finishing the one issued before. A post-accumulate-grad
+all but the root) and registers the pre-backward hook on the unit's outputs. Backward: the
+pre-backward hook gathers again and prefetches in backward order; an identity autograd
+function on the unit's inputs marks the end of its backward, where it reshards and issues its
+reduce-scatter (Note [when a unit reduces]), while earlier layers still compute, after
+finishing the one issued before. A post-accumulate-grad
 hook on each full parameter notes which parameters got a gradient. The final callback issues
 what is left, waits for every reduction, agrees with the other ranks on which parameters got
 a gradient anywhere (those that got none keep their ``.grad``, as in one process) and
@@ -164,9 +164,6 @@ class Runtime:
         self.backward_order: list[Unit] = []  # and of pre-backward hooks
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
         self.next_backward: dict[Unit, Unit] = {}
-        # the last unit of the previous forward runs first in backward: full_shard keeps it
-        # gathered rather than reshard it and gather it again at once
-        self.last_forward: Unit | None = None
         self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
@@ -239,7 +236,10 @@ class Runtime:
             if events.listeners:
                 events.emit("forward", unit.label, edge="end")
             grad = torch.is_grad_enabled()
-            if not grad or (self.sharding.reshard_after_forward and not unit.is_root and unit is not self.last_forward):
+            # even the unit that ran last, which backward needs first: held through the loss it
+            # raises the peak by a unit where the loss is the peak (docs/architecture.md), and
+            # the root's pre-backward prefetches it again
+            if not grad or (self.sharding.reshard_after_forward and not unit.is_root):
                 unit.reshard()
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
@@ -248,7 +248,6 @@ class Runtime:
                     register_multi_grad_hook(outs, hook, mode="any")
             if unit.is_root:
                 self.next_forward = _successors(self.forward_order)
-                self.last_forward = next((u for u in reversed(self.forward_order) if not u.is_root), None)
                 if not grad:  # inference: nothing stays gathered
                     self.settle()
                 if self.precision.output_dtype is not None:

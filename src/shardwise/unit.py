@@ -22,6 +22,7 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import collectives as C
 from . import events
@@ -54,10 +55,11 @@ class NotGathered(torch.Tensor):
     @staticmethod
     def make(shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str, requires_grad: bool) -> NotGathered:
         # memory tools (e.g. torch's MemTracker) read parameters and hook them in pre-forward
-        # hooks that may run before the unit's own: metadata and hook registration work
-        t = torch.Tensor._make_subclass(
-            NotGathered, torch.empty(shape, dtype=dtype, device="meta"), requires_grad
-        )
+        # hooks that may run before the unit's own: metadata and hook registration work.
+        # A plain meta tensor, even where a dispatch mode is active (the planner's fake tensors)
+        with _disable_current_modes():
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+        t = torch.Tensor._make_subclass(NotGathered, meta, requires_grad)
         t._shardwise_name, t._shardwise_unit = name, unit
         return t
 

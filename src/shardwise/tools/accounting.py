@@ -99,8 +99,8 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
         across = 2 * psi * b_reduce * (r - 1) // (r * n)
         formula += " + 2*psi*b_reduce*(R-1)/(R*S)" if b_gather != b_reduce else " + 2*psi*b*(R-1)/(R*S)"
     kept = (
-        "measured is lower by the backward gathers of the root unit and of the unit that runs "
-        "last in forward (both stay gathered from forward to backward) and higher by padding rows"
+        "measured is lower by the root unit's backward gather (it stays gathered from forward "
+        "to backward) and higher by padding rows"
     )
     notes = {
         "full_shard": kept,

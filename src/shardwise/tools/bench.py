@@ -72,7 +72,9 @@ STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid
 def systems_for(strategy: str) -> tuple[str, ...]:
     """The systems that ``--strategy`` compares: the floor, DDP, and both FSDPs under it."""
     return ("floor", "ddp", *(s for s in KNOWN if s.partition("/")[2] == strategy))
-MODELS = ("tiny", "small", "medium", "large", "mlp")
+
+
+MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
 MLP_DIMS = [1024] * 9  # 8 Linear(1024, 1024) layers: 8.4M parameters
 REDOS = 3  # times a visit is run again when other processes took more than --quiet of the CPU
 QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
@@ -82,10 +84,13 @@ QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
 class BenchConfig:
     """Options of ``shardwise bench``; each is the CLI flag of the same name."""
 
-    model: str = "small"  # built-in GPT size (tiny|small|medium|large) or mlp (an MLPStack)
+    model: str = "small"  # built-in GPT size (tiny|small|medium|large), mlp (an MLPStack) or
+    # mha (an MHAGPT of the small size: stock torch blocks, untied head, loss outside the model)
     nproc: int = 2  # ranks to launch on this machine (ignored under torchrun)
     batch_size: int = 4  # sequences (GPT) or rows (mlp) per rank per step
     seq_len: int = 128  # tokens per sequence (GPT)
+    vocab_size: int = 256  # GPT vocabulary: the tokens are bytes; a larger one enlarges the
+    # embedding, the head and the loss's temporaries (a real tokenizer's would)
     rounds: int = 6  # visits of each system, in alternation
     steps: int = 3  # timed steps per visit
     warmup: int = 2  # untimed steps per visit (DDP rebuilds its buckets in its second step)
@@ -107,6 +112,8 @@ class BenchConfig:
             raise ValueError(f"shard_size={self.shard_size} must be positive (0: one node)")
         if self.mixed_precision not in ("none", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: use none or bf16")
+        if self.vocab_size < 256:
+            raise ValueError(f"vocab_size={self.vocab_size}: the tokens are bytes, use at least 256")
         if self.rounds < 1 or self.steps < 1 or self.warmup < 1:
             raise ValueError("rounds, steps and warmup must each be at least 1")
 
@@ -114,7 +121,9 @@ class BenchConfig:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT size, or mlp")
+    p.add_argument(
+        "--model", choices=MODELS, default=d.model, help="GPT size, mlp, or mha (MHAGPT small)"
+    )
     p.add_argument(
         "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
     )
@@ -122,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank"
     )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (GPT)")
+    p.add_argument(
+        "--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary (at least 256)"
+    )
     p.add_argument("--rounds", type=int, default=d.rounds, help="visits of each system")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per visit")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per visit")
@@ -192,14 +204,13 @@ class Workload:
     tokens_per_step: int  # over all ranks (rows, for mlp)
     num_params: int
     root_params: int  # parameters outside every block: the root unit's
-    last_params: int  # the last block's, which shardwise's full shard keeps gathered into backward
     trained_tensors: int  # parameters that train: one flag each in shardwise's step check
 
 
 def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
     """The model and data for ``cfg.model``: the same seed and batches on every system."""
     from ..data import get_batch, rank_slice
-    from ..models import GPT, Block, Layer, MLPStack, gpt_config
+    from ..models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 
     n = cfg.warmup + cfg.steps
     if cfg.model == "mlp":
@@ -220,10 +231,13 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
         def loss(model, x, y):
             return F.mse_loss(model(x), y)
     else:
-        mcfg = gpt_config(cfg.model, seq_len=cfg.seq_len)
+        mha = cfg.model == "mha"
+        mcfg = gpt_config(
+            "small" if mha else cfg.model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size
+        )
 
         def build() -> nn.Module:
-            return GPT(mcfg)
+            return MHAGPT(mcfg) if mha else GPT(mcfg)
 
         batches = []
         for step in range(n):
@@ -231,9 +245,11 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
             batches.append(
                 (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
             )
-        block, tokens = Block, cfg.batch_size * world * cfg.seq_len
+        block, tokens = (MHABlock if mha else Block), cfg.batch_size * world * cfg.seq_len
 
         def loss(model, x, y):
+            if mha:  # the loss outside the model, as most training loops have it
+                return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             return model(x, y)
 
     torch.manual_seed(cfg.seed)
@@ -241,9 +257,8 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     total = sum(p.numel() for p in probe.parameters())
     in_blocks = {id(p) for m in probe.modules() if isinstance(m, block) for p in m.parameters()}
     root = sum(p.numel() for p in probe.parameters() if id(p) not in in_blocks)
-    last = sum(p.numel() for p in [m for m in probe.modules() if isinstance(m, block)][-1].parameters())
     trained = sum(p.requires_grad for p in probe.parameters())
-    return Workload(build, block, batches, loss, tokens, total, root, last, trained)
+    return Workload(build, block, batches, loss, tokens, total, root, trained)
 
 
 def device_meshes(cfg: BenchConfig, device: torch.device) -> dict[int, object]:
@@ -380,7 +395,6 @@ def run_rank(cfg: BenchConfig) -> dict:
         "mesh": list(meshes[2].shape) if 2 in meshes else None,  # (replicas, shard group size)
         "num_params": work.num_params,
         "root_params": work.root_params,
-        "last_params": work.last_params,
         "trained_tensors": work.trained_tensors,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
@@ -619,7 +633,6 @@ def _theory(
     system: str,
     psi: int,
     root: int,
-    last: int,
     trained: int,
     world: int,
     b_gather: int,
@@ -628,8 +641,7 @@ def _theory(
 ) -> int:
     """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
     full shard gathers every unit twice, less the root's backward gather (the root stays
-    gathered from forward to backward, in shardwise as in FSDP2) and, in shardwise, the last
-    block's (it runs first in backward, so it stays gathered too), and reduce-scatters once;
+    gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
     shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). Hybrid
     systems on ``mesh`` (R replicas x S): the same over the S ranks of a shard group, and each
     rank's reduced shard all-reduced across the R replicas (2 psi b (R-1)/(R S)). shardwise
@@ -640,8 +652,7 @@ def _theory(
     strategy = system.partition("/")[2]
     r, s = mesh if system in HYBRID_SYSTEMS else (1, world)
     if strategy in ("full_shard", "hybrid_shard"):
-        kept = root + (last if system.startswith("shardwise") else 0)
-        gathered = (2 * psi - kept) * b_gather + psi * b_reduce
+        gathered = (2 * psi - root) * b_gather + psi * b_reduce
     elif strategy in ("shard_grad_op", "hybrid_shard_grad_op"):
         gathered = psi * b_gather + psi * b_reduce
     else:
@@ -697,7 +708,6 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
                 name,
                 results["num_params"],
                 results["root_params"],
-                results["last_params"],
                 results["trained_tensors"],
                 world,
                 b_gather,
@@ -784,6 +794,7 @@ def render_markdown(summary: dict) -> str:
         + f", {c['threads']} thread(s) each; "
         f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
         + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")
+        + (f" of a {c['vocab_size']}-token vocabulary" if c.get("vocab_size", 256) != 256 else "")
         + f" per rank, {c['mixed_precision'] if c['mixed_precision'] != 'none' else 'fp32'}"
         + (", every block compiled (torch.compile)" if c.get("compile") else "")
         + "; "

@@ -22,9 +22,10 @@ no Python runs per operator; when the trace ends, that log is replayed to give t
 at each sample and the highest total between samples, and activations are those bytes minus
 the category storages that the trace allocated (told apart by address). On CUDA: the caching
 allocator's ``memory_allocated`` minus the categories, and its peak counter between samples,
-which the tracer resets. It includes autograd's saved tensors and short-lived temporaries such
-as activation gradients. Tensors allocated before the trace began count only where they belong
-to a category (e.g. shards, existing optimizer state).
+which the tracer resets. Under the planner (a fake world, fake tensors): the same replay of a
+log that a dispatch mode keeps (``_FakeAllocations``). It includes autograd's saved tensors
+and short-lived temporaries such as activation gradients. Tensors allocated before the trace
+began count only where they belong to a category (e.g. shards, existing optimizer state).
 
 Clocks: every rank passes a barrier on entry and counts time from there, so ranks line up to
 within the barrier's skew.
@@ -52,11 +53,12 @@ from torch._C._profiler import (
     _ExtraFields_Allocation,
 )
 from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import events, groups
 from ..api import _runtime
 from ..collectives import comm_stats
-from ..runtime import Phase
+from ..runtime import Phase, _tensors
 from ..unit import ShardedUnit, Unit
 
 FORMAT = "shardwise-trace"
@@ -78,6 +80,7 @@ class _Allocations:
 
     def __init__(self):
         self._watched: dict[int, weakref.ref] = {}  # id(storage) -> its weak reference
+        self._buffers: list[tuple[int, weakref.ref]] = []  # the followed collectives'
         self._freed: list[tuple[int, int, int, int]] = []
 
     def start(self) -> None:
@@ -94,24 +97,42 @@ class _Allocations:
             _prepare_profiler(config, activities)
             _enable_profiler(config, activities)
 
+    @staticmethod
+    def now() -> int:
+        """The log's clock (its entries' first field): nanoseconds since the epoch."""
+        return time.time_ns()
+
+    @staticmethod
+    def key(st: torch.UntypedStorage) -> int:
+        """How the log names a storage's block: its address."""
+        return st.data_ptr()
+
     def watch(self, st: torch.UntypedStorage, ptr: int) -> None:
         key = id(st)
         if key not in self._watched:
             self._watched[key] = weakref.ref(st, partial(self._on_free, key, ptr, time.time_ns()))
 
-    def watch_work(self, work) -> None:
-        """Watch the buffers of a completed collective, which the tracer held on to since its
-        issue: the last reference to them (e.g. a reduce-scatter's input) may go on the
-        collective's worker thread."""
-        try:
-            value = work.get_future().value()
-        except RuntimeError:  # a failed collective: its wait raises
-            return
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+    def watch_buffers(self, tensors: list[torch.Tensor]) -> None:
+        """Watch the buffers of a collective just issued: the last reference to them (e.g. a
+        reduce-scatter's rows) may go on the backend's worker thread, with its work."""
+        for t in tensors:
+            if t.device.type == "cpu":
                 st = t.untyped_storage()
                 if st.nbytes():
                     self.watch(st, st.data_ptr())
+                    self._buffers.append((id(st), weakref.ref(st)))
+
+    def settle(self, keep: set[int], timeout: float = 1.0) -> None:
+        """Wait, at most ``timeout`` seconds, until the followed collectives' buffers that the
+        traced code no longer holds (their storage ids not in ``keep``) are freed. Gloo drops
+        a finished work, and with it its buffers, on its worker thread some time after the
+        waiter woke up (under load, many milliseconds later): the last sample must not count
+        them as held."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+            key not in keep and ref() is not None for key, ref in self._buffers
+        ):
+            time.sleep(0.001)
 
     def _on_free(self, key: int, ptr: int, seen: int, _ref) -> None:
         self._watched.pop(key, None)
@@ -135,6 +156,87 @@ class _Allocations:
         return out
 
 
+class _FakeAllocations(TorchDispatchMode):
+    """The allocation log of a run on fake tensors (the planner's), in ``_Allocations``' format.
+
+    Fake tensors allocate nothing, so the log is kept by hand: a dispatch mode notes each
+    storage an operator creates (an output whose storage none of its inputs holds), a weak
+    reference its free, and ``UntypedStorage.resize_`` (which does not dispatch; patched while
+    active, as torch's MemTracker does) each resize, by which units gather and free their
+    parameters. Blocks are named by the storage's id; the clock ticks once per entry.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._log: list[tuple[int, int, int, int]] = []
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes it holds as logged
+        self._refs: dict[int, weakref.ref] = {}
+        self._resize = None
+
+    def now(self) -> int:
+        return len(self._log)
+
+    @staticmethod
+    def key(st: torch.UntypedStorage) -> int:
+        return id(st)
+
+    def watch(self, st: torch.UntypedStorage, key: int) -> None:
+        pass  # every free is logged already
+
+    def watch_buffers(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def settle(self, keep: set[int]) -> None:
+        pass  # torch's fake group holds no buffers
+
+    def _note(self, st: torch.UntypedStorage) -> None:
+        """Log the bytes ``st`` holds now, if they changed (a freed block counts as -1)."""
+        key, n = id(st), st.nbytes()
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(st, partial(self._on_free, key))
+        if n != self._sizes.get(key, 0):
+            self._sizes[key] = n
+            self._log.append((len(self._log) + 1, key, n or -1, 0))
+
+    def _on_free(self, key: int, _ref) -> None:
+        self._refs.pop(key, None)
+        if self._sizes.pop(key, 0):
+            self._log.append((len(self._log) + 1, key, -1, 0))
+
+    def start(self) -> None:
+        original = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int):
+            out = original(st, size)
+            self._note(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        self.__enter__()
+
+    def stop(self) -> list[tuple[int, int, int, int]]:
+        self.__exit__(None, None, None)
+        torch.UntypedStorage.resize_ = self._resize
+        self._refs.clear()  # no callbacks from here on
+        return self._log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = None
+        for t in _tensors(out, []):
+            if t.layout != torch.strided:
+                continue
+            st = t.untyped_storage()
+            if id(st) in self._refs:
+                self._note(st)  # an output written in place may have grown (out=, resize_)
+                continue
+            if inputs is None:
+                inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs), []) if a.layout == torch.strided}
+            if id(st) not in inputs:  # else a view, or in place: no new memory
+                self._note(st)
+        return out
+
+
 @contextlib.contextmanager
 def _quiet():
     """Send this process's stderr (file descriptor 2) to /dev/null for the block."""
@@ -149,13 +251,15 @@ def _quiet():
         os.close(null)
 
 
-Storages = dict[int, tuple[str, torch.UntypedStorage]]  # id(storage) -> (category, storage)
+# id(storage) -> (category, storage, device type: the tensor's, as a fake tensor's storage is
+# on the meta device)
+Storages = dict[int, tuple[str, torch.UntypedStorage, str]]
 
 
 def _add(out: Storages, category: str, t: torch.Tensor | None) -> None:
     if t is not None and t.device.type != "meta":
         st = t.untyped_storage()
-        out.setdefault(id(st), (category, st))
+        out.setdefault(id(st), (category, st, t.device.type))
 
 
 class _Known:
@@ -165,8 +269,8 @@ class _Known:
     at a step's start and end. Gathered buffers, reduction buffers and the gradients of a unit
     in backward are read at every sample."""
 
-    def __init__(self, units: list[Unit], optimizer: torch.optim.Optimizer | None, runtime, watch):
-        self.units, self.optimizer, self.runtime, self.watch = units, optimizer, runtime, watch
+    def __init__(self, units: list[Unit], optimizer: torch.optim.Optimizer | None, runtime, log):
+        self.units, self.optimizer, self.runtime, self.log = units, optimizer, runtime, log
         self.shards: Storages = {}
         for u in units:
             for p in [u.flat_shard] if isinstance(u, ShardedUnit) else u.params:
@@ -174,7 +278,7 @@ class _Known:
         self.opt: Storages = {}
         self.grads: dict[int, Storages] = {}
         # the sums of each part (shards, optimizer state, each unit's shard gradients)
-        self.parts: dict[object, _Sums] = {"shards": _Sums(self.shards, watch)}
+        self.parts: dict[object, _Sums] = {"shards": _Sums(self.shards, log)}
         self.refresh()
 
     def refresh(self, unit: int | None = None) -> None:
@@ -184,14 +288,14 @@ class _Known:
             for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
                 _add(g, "gradients", p.grad)
             self.grads[i] = g
-            self.parts[i] = _Sums(g, self.watch)
+            self.parts[i] = _Sums(g, self.log)
         if unit is None and self.optimizer is not None:
             self.opt = {}
             for st in self.optimizer.state.values():
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         _add(self.opt, "optimizer", v)
-            self.parts["opt"] = _Sums(self.opt, self.watch)
+            self.parts["opt"] = _Sums(self.opt, self.log)
         parts = [self.shards, self.opt, *self.grads.values()]
         self.cached_ids = set().union(*parts)
         if len(self.cached_ids) == sum(map(len, parts)):  # disjoint: add up the parts' sums
@@ -202,7 +306,7 @@ class _Known:
             cached: Storages = {}
             for part in parts:
                 cached.update(part)
-            self.cached = _Sums(cached, self.watch)
+            self.cached = _Sums(cached, self.log)
 
     def dynamic(self) -> Storages:
         """The buffers that come and go within a step (those not summed in ``cached``)."""
@@ -212,7 +316,7 @@ class _Known:
             if isinstance(u, ShardedUnit):
                 _add(out, "gathered", u.flat_full)  # the shard itself where a unit aliases it
                 for row in u._gather.result if u._gather is not None else ():
-                    if row.untyped_storage().data_ptr() != u.flat_shard.untyped_storage().data_ptr():
+                    if row.untyped_storage() is not u.flat_shard.untyped_storage():
                         _add(out, "gathered", row)  # the receive rows, not this rank's shard
                 _add(out, "gathered", u._send)
                 _add(out, "gradients", u._reduce_out)
@@ -241,20 +345,20 @@ class _Known:
 class _Sums:
     """Bytes per device and category, and the addresses of the CPU storages among them
     (``blocks``: which of them the trace allocated is known only when its log is replayed),
-    each passed to ``watch``."""
+    each passed to the log's ``watch``."""
 
-    def __init__(self, storages: Storages | None = None, watch=None):
+    def __init__(self, storages: Storages | None = None, log=None):
         self.cats: dict[str, dict[str, int]] = {}
         self.blocks: list[int] = []
-        for cat, st in (storages or {}).values():
-            n, dev = st.nbytes(), st.device.type
+        for cat, st, dev in (storages or {}).values():
+            n = st.nbytes()
             if dev not in self.cats:
                 self.cats[dev] = dict.fromkeys(CATEGORIES, 0)
             self.cats[dev][cat] += n
-            if dev == "cpu" and n and watch is not None:
-                ptr = st.data_ptr()
-                self.blocks.append(ptr)
-                watch(st, ptr)
+            if dev == "cpu" and n and log is not None:
+                key = log.key(st)
+                self.blocks.append(key)
+                log.watch(st, key)
 
     def plus(self, other: _Sums) -> _Sums:
         out = _Sums()
@@ -318,23 +422,30 @@ class Trace:
         self._memory: list[list] = []
         self._steps: list[list[float]] = []
         self._device = groups.device()
+        # in a fake world (the planner) this process stands for rank 0 alone, on fake tensors
+        self._fake = dist.get_backend() == "fake"
         # Note [memory categories]: on CUDA the allocator's counters, on CPU its log
-        self._log = _Allocations() if self._device.type != "cuda" else None
+        self._log = (
+            _FakeAllocations() if self._fake else _Allocations() if self._device.type != "cuda" else None
+        )
         self._pending: list = []  # CPU samples, completed from the log at the end
         self._handles = []
-        # id(Pending) -> stream, unit, it, and on CPU its works (see _Allocations.watch_work)
-        self._flight: dict[int, tuple[str, int, object, list]] = {}
+        self._flight: dict[int, tuple[str, int, object]] = {}  # id(Pending) -> stream, unit, it
         self._t0 = 0.0
 
     # --- recording
     def __enter__(self) -> Trace:
-        if dist.get_world_size() > 1:
+        if dist.get_world_size() > 1 and not self._fake:
             dist.barrier()
         self._t0 = time.perf_counter()
         self._comm0 = comm_stats()
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_root_forward, prepend=True)
         )
+        root = self.units[-1]
+        self._root_silent = not (isinstance(root, ShardedUnit) or root.casts)
+        if self._root_silent:  # no_shard runs no forward hooks of its own (like DDP): mark its forward
+            self._handles.append(self.model.register_forward_hook(self._on_root_forward_end))
         if self.optimizer is not None:
             self._handles.append(
                 self.optimizer.register_step_pre_hook(
@@ -346,8 +457,7 @@ class Trace:
                     lambda *a: self._event("optimizer", -1, edge="end")
                 )
             )
-        watch = self._log.watch if self._log is not None else None
-        self._known = _Known(self.units, self.optimizer, self.runtime, watch)
+        self._known = _Known(self.units, self.optimizer, self.runtime, self._log)
         if self._log is not None:
             self._log.start()
         else:
@@ -360,10 +470,12 @@ class Trace:
         events.unlisten(self._on_event)
         try:
             self._known.refresh()  # e.g. gradients freed by zero_grad since the last event
+            if self._log is not None:
+                self._log.settle(self._known.cached_ids | set(self._known.dynamic()))
             self._sample(time.perf_counter())
         finally:
             log = self._log.stop() if self._log is not None else None
-            self._flight.clear()  # (holds collectives' works on CPU)
+            self._flight.clear()
             for h in self._handles:
                 h.remove()
         if log is not None:
@@ -379,6 +491,12 @@ class Trace:
     def _on_root_forward(self, module, args) -> None:
         if torch.is_grad_enabled() and self.runtime.phase is not Phase.BACKWARD:
             self._event("step_begin", -1)
+            if self._root_silent:
+                self._event("forward", len(self.units) - 1, edge="begin")
+
+    def _on_root_forward_end(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self._event("forward", len(self.units) - 1, edge="end")
 
     def _event(self, name: str, unit: int, **fields) -> None:
         self._record(name, unit, time.perf_counter(), fields)
@@ -415,25 +533,24 @@ class Trace:
         if name in ("gather_issue", "reduce_issue") and unit >= 0:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
-                works = list(p.works or ()) if self._log is not None else []
-                self._flight[id(p)] = (name.split("_")[0], unit, p, works)
+                self._flight[id(p)] = (name.split("_")[0], unit, p)
+                if self._log is not None:  # (see _Allocations.watch_buffers)
+                    self._log.watch_buffers(_tensors((p.result, p.buffers), []))
         self._poll(rel)
         self._sample(t)
 
     def _poll(self, rel: float) -> None:
         """Note the collectives that completed since the last event (see the module doc)."""
-        for key, (stream, unit, p, works) in list(self._flight.items()):
+        for key, (stream, unit, p) in list(self._flight.items()):
             if p.completed():
                 del self._flight[key]
                 self._events.append([rel, stream + "_complete", unit])
-                for w in works:
-                    self._log.watch_work(w)
 
     def _sample(self, t: float) -> None:
         """One memory sample per device: categories, and the peak total since the last one."""
         if self._log is not None:  # CPU: activations and peak once the log is read
-            now = time.time_ns()
-            sums = self._known.cached.plus(_Sums(self._known.dynamic(), self._log.watch))
+            now = self._log.now()
+            sums = self._known.cached.plus(_Sums(self._known.dynamic(), self._log))
             self._pending.append((now, self._rel(t), sums.cats, sums.blocks))
             return
         sums = self._known.cached.plus(_Sums(self._known.dynamic()))
@@ -476,7 +593,7 @@ class Trace:
         }
         world = dist.get_world_size()
         ranks = [None] * world
-        if world > 1:
+        if world > 1 and not self._fake:
             dist.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
@@ -648,6 +765,52 @@ def _close(
         if wait is None and item[1] is None:
             item[1] = t
             return
+
+
+def when(rank: dict, units: list[dict], device: str = "cpu") -> tuple[list[str], list[str]]:
+    """For each memory sample of ``device`` in one rank's record: what ran since the sample
+    before it (e.g. "backward of blocks.2"; a unit's gather counts as its own) and the stage of
+    its step: forward, backward (from the root's forward end: the loss is backward's),
+    optimizer, or after."""
+    root = units[-1]["name"]
+    events = sorted(rank["events"], key=lambda e: e[0])
+    running: list[str] = []  # compute spans open, innermost last
+    stage, k, began, ended = "forward", 0, False, False
+    idle = {"forward": "forward", "optimizer": "optimizer step", "after": "after the step"}
+    labels, stages = [], []
+    for sample in rank["memory"]:
+        if sample[1] != device:
+            continue
+        stages.append(stage)
+        labels.append(
+            running[-1]
+            if running
+            else idle.get(stage)
+            or ("end of backward" if ended else "backward" if began else "loss, start of backward")
+        )
+        while k < len(events) and events[k][0] <= sample[0]:
+            _, name, unit, *rest = events[k]
+            k += 1
+            who = units[unit]["name"] if unit >= 0 else ""
+            span = f"{name} of {who}"
+            if name in ("forward", "backward") and rest[0] == "begin":
+                if stage == "after":  # the next step
+                    stage, began, ended = "forward", False, False
+                running.append(span)
+                labels[-1], began = span, began or name == "backward"
+            elif name in ("forward", "backward") and span in running:
+                running.remove(span)
+                stage = "backward" if span == f"forward of {root}" else stage
+            elif name == "reduce_issue":  # (no_shard runs no backward hooks)
+                began = True
+            elif name == "gather_done":
+                labels[-1] = f"{'backward' if began else 'forward'} gather of {who}"
+            elif name == "step_end":
+                running, ended = [], True
+            elif name == "optimizer":
+                stage = "optimizer" if rest[0] == "begin" else "after"
+                running = ["optimizer step"] if rest[0] == "begin" else []
+    return labels, stages
 
 
 def lanes(track_spans: list[dict]) -> int:

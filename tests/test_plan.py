@@ -1,0 +1,406 @@
+"""The planner: its predictions against torch's MemTracker on real runs, the analytic memory
+bounds of each phase of a step (as PyTorch's FSDP2 memory test states them), the budget
+choice, the command, and planning from inside a process that has a process group.
+
+The planner runs shardwise's own runtime on fake tensors (tools/plan.py), so the checks here
+are against what real runs measure with a tool that is not shardwise's: MemTracker.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardwise
+from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
+from shardwise.tools import plan as P
+from shardwise.tools import trace as T
+from shardwise.tools.accounting import kept_buckets
+
+# models small enough for CPU tests, big enough that model state and activations are both
+# megabytes: the built-in GPT, an MLP stack, and a GPT of stock torch modules the planner
+# was never shaped on, with its loss computed outside the model
+GPT_CFG = gpt_config("tiny", d_model=128, n_layer=3, n_head=4, seq_len=64, mlp_ratio=4)
+BATCH = 4  # sequences (rows, for the MLP) per rank
+MLP_DIMS = [256] * 5
+MLP_ROWS = 64
+
+
+def gpt():
+    return GPT(GPT_CFG)
+
+
+def mha():
+    return MHAGPT(GPT_CFG)
+
+
+def mlp():
+    return MLPStack(MLP_DIMS)
+
+
+def tokens():
+    ids = torch.zeros(BATCH, GPT_CFG.seq_len, dtype=torch.long)
+    return ids, ids
+
+
+def rows():
+    return torch.zeros(MLP_ROWS, MLP_DIMS[0]), torch.zeros(MLP_ROWS, MLP_DIMS[-1])
+
+
+def cross_entropy(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def mse(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+# name -> (builder, unit class, micro-batch, loss outside the model or None)
+MODELS = {
+    "gpt": (gpt, Block, None, None),
+    "mlp": (mlp, Layer, rows, mse),
+    "mha": (mha, MHABlock, tokens, cross_entropy),
+}
+
+
+def real_batch(model: str, rank: int):
+    """This rank's micro-batch of random values (memory does not depend on them)."""
+    g = torch.Generator().manual_seed(rank)
+    if model == "mlp":
+        return torch.randn(MLP_ROWS, MLP_DIMS[0], generator=g), torch.randn(MLP_ROWS, MLP_DIMS[-1], generator=g)
+    x = torch.randint(0, GPT_CFG.vocab_size, (BATCH, GPT_CFG.seq_len + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+# --- the planner against MemTracker
+# world size -> (model, strategy, wrap by block, mixed precision, offload, checkpointing)
+HONESTY = {
+    1: [("gpt", "full_shard", True, None, False, False)],
+    2: [
+        ("gpt", "full_shard", True, None, False, False),
+        ("gpt", "shard_grad_op", True, None, False, False),
+        ("gpt", "no_shard", True, None, False, False),
+        ("gpt", "full_shard", True, None, False, True),
+        ("gpt", "full_shard", True, "bf16", False, False),
+        ("gpt", "full_shard", True, "fp16", False, False),
+        ("gpt", "full_shard", True, None, True, False),
+        ("mlp", "full_shard", True, None, False, False),
+        ("mlp", "shard_grad_op", True, "bf16", True, False),
+        ("mlp", "no_shard", True, "bf16", False, False),
+        ("mha", "full_shard", True, None, False, False),
+        ("mha", "shard_grad_op", True, None, False, True),
+    ],
+    4: [
+        ("gpt", "full_shard", True, None, False, False),
+        ("gpt", "full_shard", False, None, False, False),
+        ("gpt", "shard_grad_op", True, "bf16", False, True),
+        ("mlp", "full_shard", True, None, True, True),
+    ],
+}
+TOLERANCE = {"gpt": 0.05, "mlp": 0.05, "mha": 0.10}  # mha: a model the planner never saw
+
+
+def measure(configs):
+    """Per config: MemTracker's peak over one steady-state step, the model state a step
+    leaves (shards, gradients after backward, optimizer state), bytes sent, and the units."""
+    return [measure_one(*config) for config in configs]
+
+
+def measure_one(name, strategy, wrap, precision, offload, checkpoint):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    build, block, _, loss_fn = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    policy = shardwise.wrap.by_class(block)
+    shardwise.shard(
+        model,
+        wrap=policy if wrap else None,
+        strategy=strategy,
+        mixed_precision=precision,
+        cpu_offload=offload,
+    )
+    if checkpoint:
+        shardwise.checkpoint_activations(model, policy)
+    opt = torch.optim.AdamW(model.parameters())
+    # (a scale that overflows would skip the steps, and the optimizer state with them)
+    scaler = shardwise.GradScaler(model, init_scale=1.0) if precision == "fp16" else None
+    held = {}
+
+    def step():  # (the batch is made inside, as the planner's is: MemTracker counts it)
+        x, y = real_batch(name, dist.get_rank())
+        loss = loss_fn(model, x, y) if loss_fn else model(x, y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        held.update(shardwise.held_bytes(model))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state appears, the runtime learns its orders
+    shardwise.reset_comm_stats()
+    tracker = MemTracker()
+    with warnings.catch_warnings():  # it warns about gradients shardwise moved on
+        warnings.simplefilter("ignore")
+        tracker.track_external(model, opt, *kept_buckets(model))
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    state = sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    units = [
+        (u.label, u.flat_shard.numel() * u.flat_shard.element_size(), u.layout.unsharded_numel * u.compute_dtype.itemsize)
+        for u in shardwise.units(model)
+        if hasattr(u, "flat_shard")
+    ]
+    sent = {k: v.bytes for k, v in shardwise.comm_stats().items() if k != "broadcast"}
+    return peak, held["params"] + held["grads"] + state, sent, units
+
+
+def predict(world, name, strategy, wrap, precision, offload, checkpoint):
+    build, block, inputs, loss_fn = MODELS[name]
+    policy = shardwise.wrap.by_class(block)
+    e = P.plan(
+        build,
+        world_size=world,
+        strategy=strategy,
+        wrap=policy if wrap else None,
+        mixed_precision=precision,
+        cpu_offload=offload,
+        activation_checkpointing=policy if checkpoint else None,
+        batch_size=BATCH,
+        inputs=inputs,
+        loss=loss_fn,
+        backend="gloo",
+    ).estimates[0]
+    # on CPU, host and device are one memory: with offload, the host part is held throughout
+    total = max(e.peak + e.param_shards + e.optimizer, e.host) if offload else e.peak
+    return e, total
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_planner_matches_memtracker(pools, world):
+    measured = pools(world).run(measure, HONESTY[world])[0]
+    errors = []
+    for config, (peak, state, sent, units) in zip(HONESTY[world], measured):
+        e, total = predict(world, *config)
+        errors.append((config, (total - peak) / peak))
+        assert abs(total - peak) <= TOLERANCE[config[0]] * peak, (config, total, peak)
+        assert e.model_state == state, (config, e.model_state, state)
+        if config[3] == "fp16":  # the GradScaler's verdict: a value fake tensors do not have
+            sent["all_reduce"] -= 4
+        assert e.comm == sent, config  # bytes per step: exactly what the collectives booked
+        if config[1] != "no_shard":
+            assert [(u.name, u.shard_bytes, u.gathered_bytes) for u in e.units] == units, config
+    print(f"\nplanner error against MemTracker at N = {world}", *(f"\n  {c}: {a:+.2%}" for c, a in errors))
+
+
+# --- the analytic bounds of each phase (PyTorch's FSDP2 memory test, for shardwise)
+# A transformer whose blocks are megabytes, run on 4 tokens so that activations are small;
+# Adam without foreach. Bounds of a steady-state step, in bytes per rank: shard() holds the
+# sharded state plus one unit; forward three of the largest unit (one computing, its gather's
+# rows, the next one's gather), the root, the shards and Adam's two moments (as large as the
+# shards); backward one and a half units more (the unsharded gradients of the unit in
+# backward; the previous unit's reduction in flight, with on Gloo the rows it receives: half
+# a unit at N=2) and the sharded gradients; the optimizer step four times the sharded size.
+# shard_grad_op holds every unit from forward to backward instead. With cpu_offload the
+# device holds only what forward and backward add. "slack", half a block, covers activations
+# and temporaries (FSDP2's test allows 16 MB on 28 MB blocks).
+BOUND_CFG = gpt_config("tiny", d_model=256, n_layer=3, n_head=4, seq_len=16, mlp_ratio=4)
+BOUND_TOKENS = 4
+
+
+def bound_gpt():
+    return GPT(BOUND_CFG)
+
+
+def bound_tokens():
+    ids = torch.zeros(1, BOUND_TOKENS, dtype=torch.long)
+    return ids, ids
+
+
+def adam(params):
+    return torch.optim.Adam(params, foreach=False)
+
+
+def bounds(units: list[tuple[str, int, int]], strategy: str, offload: bool) -> dict[str, float]:
+    """The bound of each phase from the units' (name, shard bytes, gathered bytes)."""
+    sharded = sum(s for _, s, _ in units)
+    full = sum(g for _, _, g in units)
+    largest = max(g for n, _, g in units if n != "<root>")
+    root = next(g for n, _, g in units if n == "<root>")
+    slack = largest / 2
+    state = 0 if offload else 3 * sharded  # shards and Adam's moments
+    if strategy == "full_shard":
+        forward = 3 * largest + root + state
+    else:
+        forward = full + largest + state
+    backward = forward + 1.5 * largest + (0 if offload else sharded)
+    return {
+        "shard": sharded + largest + slack,
+        "after_shard": sharded + slack,
+        "forward": forward + slack,
+        "backward": backward + slack,
+        "optimizer": 4 * sharded + slack,
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy, offload", [("full_shard", False), ("shard_grad_op", False), ("full_shard", True)]
+)
+def test_planned_phases_within_analytic_bounds(strategy, offload):
+    e = P.plan(
+        bound_gpt,
+        world_size=2,
+        strategy=strategy,
+        wrap=shardwise.wrap.by_class(Block),
+        cpu_offload=offload,
+        inputs=bound_tokens,
+        optimizer=adam,
+        backend="gloo",
+    ).estimates[0]
+    limit = bounds([(u.name, u.shard_bytes, u.gathered_bytes) for u in e.units], strategy, offload)
+    assert set(e.phases) == set(limit)
+    for phase, bound in limit.items():
+        assert 0 < e.phases[phase] <= bound, (phase, e.phases[phase], bound)
+
+
+def traced_phases(strategy):
+    """A real step's peak by phase, from the tracer, and shard()'s own from the CPU
+    allocator's log (shard() builds the model from the meta device one module at a time)."""
+    log = T._Allocations()
+    with torch.device("meta"):
+        model = bound_gpt()
+    log.start()
+    shardwise.shard(model, wrap=shardwise.wrap.by_class(Block), strategy=strategy)
+    shard_peak, after_shard = P._peak_and_end(log.stop())
+    opt = adam(model.parameters())
+    x, y = bound_tokens()
+
+    def step():
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with T.trace(model, opt) as t:
+        step()
+    rank = t.data["ranks"][dist.get_rank()]
+    _, stages = T.when(rank, t.data["units"])
+    peaks = [m[-1] for m in rank["memory"] if m[1] == "cpu"]
+    phases = {"shard": shard_peak, "after_shard": after_shard}
+    for phase in ("forward", "backward", "optimizer"):
+        phases[phase] = max(p for p, s in zip(peaks, stages) if s == phase)
+    units = [(u["name"], u["shard_bytes"], u["gathered_bytes"]) for u in t.data["units"]]
+    return phases, units
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_traced_phases_within_analytic_bounds(pools, strategy):
+    for phases, units in pools(2).run(traced_phases, strategy):
+        for phase, bound in bounds(units, strategy, False).items():
+            assert 0 < phases[phase] <= bound, (phase, phases[phase], bound)
+
+
+# --- the plan's other facts
+def test_planner_needs_no_group_and_leaves_a_module_alone():
+    assert not dist.is_initialized()
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = P.plan(model, world_size=4, wrap=shardwise.wrap.by_class(Block), batch_size=2)
+    assert [e.strategy for e in p.estimates] == list(P.STRATEGIES)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert model.lm_head.weight is model.tok_emb.weight and all(
+        p.grad is None for p in model.parameters()
+    )
+    assert not dist.is_initialized() and shardwise.comm_stats()["all_gather"].calls == 0
+    full, grad_op, ddp = p.estimates
+    assert full.model_state * 4 == pytest.approx(ddp.model_state, rel=0.02)  # 1/N, plus padding
+    assert full.gathered_peak < grad_op.gathered_peak  # full_shard frees each block after use
+    assert full.comm["all_gather"] > grad_op.comm["all_gather"] > 0 == ddp.comm["all_gather"]
+    assert "full_shard" in str(p) and "predicted peak" in str(p) and "micro-batch 2 x 64" in str(p)
+
+
+def test_checkpointing_precision_and_offload_move_the_prediction():
+    block = shardwise.wrap.by_class(Block)
+
+    def one(**kw):
+        return P.plan(gpt, world_size=2, strategy="full_shard", wrap=block, batch_size=BATCH, **kw).estimates[0]
+
+    base, ckpt = one(), one(activation_checkpointing=block)
+    bf16, off = one(mixed_precision="bf16"), one(cpu_offload=True)
+    assert ckpt.activations * 2 < base.activations and ckpt.peak < base.peak
+    assert bf16.activations < base.activations and bf16.model_state == base.model_state  # fp32 master
+    assert off.host >= off.model_state and base.host == 0
+    assert off.peak < base.peak - off.optimizer // 2
+    with pytest.raises(shardwise.ShardwiseError, match="sharded strategy"):
+        P.plan(gpt, strategy="no_shard", cpu_offload=True, batch_size=1)
+
+
+def test_backends_lay_out_buffers_differently():
+    """Gloo receives a gather into N-1 rows, NCCL into one buffer of N: the plan follows."""
+    block = shardwise.wrap.by_class(Block)
+    gloo, nccl = (
+        P.plan(gpt, world_size=4, strategy="full_shard", wrap=block, batch_size=1, backend=b).estimates[0]
+        for b in ("gloo", "nccl")
+    )
+    assert gloo.comm == nccl.comm and gloo.model_state == nccl.model_state
+    assert gloo.gathered_peak < nccl.gathered_peak
+    with pytest.raises(shardwise.ShardwiseError, match="gloo"):
+        P.plan(gpt, backend="mpi")
+
+
+def test_budget_picks_the_cheapest_that_fits():
+    block = shardwise.wrap.by_class(Block)
+    roomy = P.plan(gpt, world_size=2, wrap=block, batch_size=BATCH, budget="1GiB")
+    assert roomy.choice.strategy == "no_shard" and not roomy.choice.activation_checkpointing
+    every = {e.label: e.peak for e in roomy.estimates}
+    assert len(every) == len(roomy.estimates) == 2 + 2 * 2 * 2 * 2  # strategies x wraps x ckpt x offload
+    # a budget just under DDP's peak: it must shard, and say why not DDP
+    choice, reason = P.choose(roomy.estimates, every["no_shard (DDP)"] - 1)
+    assert choice.strategy != "no_shard" and choice.peak < every["no_shard (DDP)"]
+    assert "no_shard (DDP) needs" in reason and "fits" in reason
+    smallest = min(every.values())
+    assert P.choose(roomy.estimates, smallest)[0].peak == smallest
+    none, reason = P.choose(roomy.estimates, smallest - 1)
+    assert none is None and "nothing fits" in reason
+    assert "budget 1.00 GiB: choose no_shard (DDP)" in str(roomy)
+
+
+def test_budget_strings():
+    assert P.parse_bytes("24GiB") == 24 * 2**30
+    assert P.parse_bytes("1.5 GB") == 1_500_000_000
+    assert P.parse_bytes(123) == 123
+    with pytest.raises(shardwise.ShardwiseError, match="24GiB"):
+        P.parse_bytes("lots")
+    with pytest.raises(shardwise.ShardwiseError, match="strategy"):
+        P.plan(gpt, strategy="zero3")
+
+
+def test_plan_command(capsys):
+    P.main(["--model-size", "tiny", "--world-size", "2", "--batch-size", "2", "--seq-len", "16"])
+    out = capsys.readouterr().out
+    assert "blocks.0" in out and "predicted peak" in out and "2 ranks (gloo)" in out
+
+
+# --- inside a process that has a process group (a training run, a worker pool)
+def plan_in_a_run():
+    assert dist.is_initialized()
+    p = P.plan(gpt, world_size=4, strategy="full_shard", wrap=shardwise.wrap.by_class(Block), batch_size=1)
+    with pytest.raises(shardwise.ShardwiseError, match="pickle"):
+        P.plan(lambda: gpt(), world_size=4, batch_size=1)
+    return p.estimates[0], dist.get_backend()
+
+
+def test_plan_inside_a_process_with_a_group(pools):
+    inside, backend = pools(1).run(plan_in_a_run)[0]
+    assert backend == "gloo"  # the run's own group is left as it was
+    outside = P.plan(gpt, world_size=4, strategy="full_shard", wrap=shardwise.wrap.by_class(Block), batch_size=1)
+    assert inside == outside.estimates[0]
