@@ -99,6 +99,8 @@ HONESTY = {
         ("gpt", "full_shard", False, None, False, False),
         ("gpt", "shard_grad_op", True, "bf16", False, True),
         ("mlp", "full_shard", True, None, True, True),
+        ("gpt", "hybrid_shard", True, None, False, False, 2),  # 2x2: two links
+        ("mlp", "hybrid_shard_grad_op", True, "bf16", False, False, 2),
     ],
 }
 TOLERANCE = {"gpt": 0.05, "mlp": 0.05, "mha": 0.10}  # mha: a model the planner never saw
@@ -110,7 +112,7 @@ def measure(configs):
     return [measure_one(*config) for config in configs]
 
 
-def measure_one(name, strategy, wrap, precision, offload, checkpoint):
+def measure_one(name, strategy, wrap, precision, offload, checkpoint, shard_size=None):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     build, block, _, loss_fn = MODELS[name]
@@ -123,6 +125,7 @@ def measure_one(name, strategy, wrap, precision, offload, checkpoint):
         strategy=strategy,
         mixed_precision=precision,
         cpu_offload=offload,
+        **({"shard_size": shard_size} if shard_size else {}),
     )
     if checkpoint:
         shardwise.checkpoint_activations(model, policy)
@@ -164,7 +167,7 @@ def measure_one(name, strategy, wrap, precision, offload, checkpoint):
     return peak, held["params"] + held["grads"] + state, sent, units
 
 
-def predict(world, name, strategy, wrap, precision, offload, checkpoint):
+def predict(world, name, strategy, wrap, precision, offload, checkpoint, shard_size=None):
     build, block, inputs, loss_fn = MODELS[name]
     policy = shardwise.wrap.by_class(block)
     e = P.plan(
@@ -178,6 +181,7 @@ def predict(world, name, strategy, wrap, precision, offload, checkpoint):
         batch_size=BATCH,
         inputs=inputs,
         loss=loss_fn,
+        shard_size=shard_size,
         backend="gloo",
     ).estimates[0]
     # on CPU, host and device are one memory: with offload, the host part is held throughout

@@ -42,7 +42,8 @@ from ..scaler import GradScaler
 from ..wrap import Policy
 from .trace import _FakeAllocations, trace, when
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")  # side by side unless one is named
+HYBRID = ("hybrid_shard", "hybrid_shard_grad_op")  # planned when named, with shard_size
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -160,6 +161,7 @@ class _Job:
     precision_name: str
     checkpointing: Policy | None
     max_unsharded: int
+    shard_size: int | None  # hybrid strategies' shard groups
 
 
 def _no_values(module: nn.Module) -> None:
@@ -195,6 +197,7 @@ def _run(job: _Job, strategy: str, wrap: Policy | None, checkpointing: bool, off
                 cpu_offload=offload,
                 max_unsharded=job.max_unsharded,
                 init=_no_values,
+                **({"shard_size": job.shard_size} if strategy in HYBRID else {}),
             )
         finally:
             entries = log.stop()
@@ -307,6 +310,7 @@ def plan(
     loss: Callable[..., torch.Tensor] | None = None,
     optimizer: OptimizerFactory | None = None,
     max_unsharded: int = 2,
+    shard_size: int | None = None,
     backend: str | None = None,
     budget: int | str | None = None,
 ) -> Plan:
@@ -315,8 +319,9 @@ def plan(
 
     model: an ``nn.Module`` (copied to the meta device, never touched) or a function that
     builds one (called under ``torch.device("meta")``). strategy: one, several, or None for
-    all three side by side (no_shard is DDP's layout). wrap, mixed_precision, cpu_offload and
-    max_unsharded mean what they mean for ``shard()``; activation_checkpointing is the policy
+    full_shard, shard_grad_op and no_shard side by side (no_shard is DDP's layout); the hybrid
+    strategies when named, over shard groups of ``shard_size`` ranks. wrap, mixed_precision,
+    cpu_offload and max_unsharded mean what they mean for ``shard()``; activation_checkpointing is the policy
     ``checkpoint_activations`` would get. The micro-batch is ``inputs()``, positional
     arguments, or by default token ids of ``batch_size`` x ``seq_len`` (default:
     ``model.cfg.seq_len``) passed as ``model(idx, targets)``. The step's loss is
@@ -364,8 +369,13 @@ def plan(
         else tuple(strategy)
     )
     for s in strategies:
-        if s not in STRATEGIES:
-            raise ShardwiseError(f"strategy={s!r} is not one of {STRATEGIES}")
+        if s not in STRATEGIES + HYBRID:
+            raise ShardwiseError(f"strategy={s!r} is not one of {STRATEGIES + HYBRID}")
+    if any(s in HYBRID for s in strategies) and shard_size is None:
+        raise ShardwiseError(
+            "a hybrid strategy needs shard_size= in plan(): the ranks of one shard group "
+            "(torchrun's --nproc_per_node, one node, in the run)"
+        )
     if cpu_offload and strategy is not None and "no_shard" in strategies:
         raise ShardwiseError(
             "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
@@ -393,6 +403,7 @@ def plan(
         precision_name=precision_name,
         checkpointing=ckpt_policy,
         max_unsharded=max_unsharded,
+        shard_size=shard_size,
     )
     if budget is None:  # DDP, for comparison, holds everything on the device
         configs = [
@@ -581,6 +592,8 @@ def render(p: Plan) -> str:
         ("  reduce-scatter", lambda e: e.comm["reduce_scatter"]),
         ("  all-reduce", lambda e: e.comm["all_reduce"]),
     ]
+    if any(e.comm.get("replica_all_reduce") for e in cols):  # hybrid: the link across groups
+        rows.append(("  across shard groups", lambda e: e.comm.get("replica_all_reduce", 0)))
     for start in range(0, len(cols), 4):
         chunk = cols[start : start + 4]
         lines.append(f"{'per rank, MiB':<27}" + "".join(f"{_short(e):>26}" for e in chunk))
@@ -627,8 +640,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-size", choices=("tiny", "small", "medium", "large"), default="small")
     ap.add_argument("--world-size", type=int, default=2, help="ranks")
     ap.add_argument(
-        "--strategy", choices=STRATEGIES, help="one strategy (default: all side by side)"
+        "--strategy", choices=STRATEGIES + HYBRID, help="one strategy (default: the first three side by side)"
     )
+    ap.add_argument("--shard-size", type=int, help="hybrid strategies: ranks per shard group")
     ap.add_argument(
         "--wrap",
         choices=("block", "size", "none"),
@@ -666,6 +680,7 @@ def main(argv: list[str] | None = None) -> None:
         activation_checkpointing=by_class(Block) if a.activation_checkpointing else None,
         batch_size=a.batch_size,
         seq_len=a.seq_len,
+        shard_size=a.shard_size,
         backend=a.backend,
         budget=a.budget,
     )
