@@ -48,12 +48,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = groups.device()
     work = bench.workload(cfg, rank, world, device)
-    mesh = None
-    if a.system.startswith("fsdp2"):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (world,))
-    model, opt, autocast = bench.build_system(a.system, cfg, work, device, mesh)
+    meshes = bench.device_meshes(cfg, device)
+    model, opt, autocast = bench.build_system(a.system, cfg, work, device, meshes)
     for x, y in work.batches[: cfg.warmup]:
         bench.train_step(model, opt, autocast, work, x, y)
     before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
