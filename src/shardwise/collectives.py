@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -360,7 +361,7 @@ def step_check_nbytes(num_flags: int) -> int:
     return 8 * (num_flags + 2)
 
 
-def step_check(flags: list[bool], group, buffer: torch.Tensor) -> list[bool]:
+def step_check(flags: list[bool], group, buffer: torch.Tensor) -> Callable[[], list[bool]]:
     """Agree once per step, over the host group ``group``, on which parameters got a gradient
     on any rank and on the sequence of collectives since the last check.
 
@@ -368,21 +369,26 @@ def step_check(flags: list[bool], group, buffer: torch.Tensor) -> list[bool]:
     issued (``flight.take_digest``), negated too, so that the maximum of both tells whether
     every rank's digest is the same. ``buffer`` (int64, ``len(flags) + 2``) is the caller's,
     reused every step: a fresh one's last reference could go on the collective's worker
-    thread, where memory tools do not see it freed. Returns whether each parameter got a
-    gradient on any rank; raises ``CollectiveError`` on every rank, naming where the ranks
-    parted, when the digests differ.
+    thread, where memory tools do not see it freed. Issued at once; the returned function
+    waits and returns whether each parameter got a gradient on any rank, or raises
+    ``CollectiveError`` on every rank, naming where the ranks parted, when the digests differ.
     """
     digest = flight.take_digest()
     buffer.copy_(torch.tensor([*flags, digest, -digest], dtype=torch.int64))
     world = dist.get_world_size(group)
     _book("step_check", step_check_nbytes(len(flags)), world, factor=2)
-    _issue(
+    pending = _issue(
         "step_check", "<step check>", buffer.numel() * buffer.element_size(), buffer,
         lambda: dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group, async_op=True),
-    ).wait()
-    if _stands_for is not None:  # one process stands for every rank: they agree
-        return list(flags)
-    agreed = buffer.tolist()
-    if agreed[-2] != digest or -agreed[-1] != digest:
-        raise flight.diagnose(None, "ranks issued different collectives in this step")
-    return [f > 0 for f in agreed[:-2]]
+    )
+
+    def result() -> list[bool]:
+        pending.wait()
+        if _stands_for is not None:  # one process stands for every rank: they agree
+            return list(flags)
+        agreed = buffer.tolist()
+        if agreed[-2] != digest or -agreed[-1] != digest:
+            raise flight.diagnose(None, "ranks issued different collectives in this step")
+        return [f > 0 for f in agreed[:-2]]
+
+    return result

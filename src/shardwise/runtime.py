@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import sys
 import weakref
+from collections.abc import Callable
 from enum import Enum, auto
 
 import torch
@@ -358,9 +359,10 @@ class Runtime:
             for u in self.units:  # a unit that ran reduces, whichever of its parameters got gradients
                 if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
                     self.reduce(u)
+            agreed = self._agree_used()  # issued now, read after the last reductions' waits
             for u in self.units:
                 u.finish_reduce()
-            self._keep_used()
+            self._keep_used(agreed())
             self.ran_since_sync = set()
         self.reducing = []
         self.next_in_order = 0
@@ -375,20 +377,22 @@ class Runtime:
             events.emit("step_end", "")
         self._check_all_ran(ran)
 
-    def _keep_used(self) -> None:
-        """Agree with the other ranks on which parameters got a gradient anywhere (one small
-        collective a step, which also compares the ranks' collectives: collectives.step_check);
-        the others keep the ``.grad`` they had, as in one process."""
-        trained = [u for u in self.units if u.num_trainable]
-        flags = [f for u in trained for f in u.used]
-        if self.host_group is not None:
-            if self.check_buffer is None:
-                self.check_buffer = torch.empty(len(flags) + 2, dtype=torch.int64)
-            anywhere = C.step_check(flags, self.host_group, self.check_buffer)
-        else:
-            anywhere = flags
+    def _agree_used(self) -> Callable[[], list[bool]]:
+        """Start agreeing with the other ranks on which parameters got a gradient anywhere
+        (one small collective a step, which also compares the ranks' collectives:
+        collectives.step_check); the returned function gives the answer."""
+        flags = [f for u in self.units for f in u.used]
+        if self.host_group is None:
+            return lambda: flags
+        if self.check_buffer is None:
+            self.check_buffer = torch.empty(len(flags) + 2, dtype=torch.int64)
+        return C.step_check(flags, self.host_group, self.check_buffer)
+
+    def _keep_used(self, anywhere: list[bool]) -> None:
+        """Parameters that got a gradient on no rank keep the ``.grad`` they had, as in one
+        process."""
         start = 0
-        for u in trained:
+        for u in (u for u in self.units if u.num_trainable):
             u.keep_used(anywhere[start : start + u.num_trainable])
             start += u.num_trainable
 
