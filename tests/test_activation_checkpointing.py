@@ -1,11 +1,10 @@
 """Activation checkpointing: exact parity, fewer activations held."""
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-from nets import Attention, Block, TiedTransformer, batch, local_slice, loss_of, make, wrap_policy
+from nets import Attention, Block, batch, local_slice, loss_of, make, wrap_policy
 
 import shardwise
 
@@ -41,7 +40,8 @@ def test_checkpointing_parity(pools, strategy):
 def activation_peak(checkpoint):
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from shardwise.models import GPT, Block as GPTBlock, gpt_config
+    from shardwise.models import GPT, gpt_config
+    from shardwise.models import Block as GPTBlock
 
     torch.manual_seed(0)
     model = shardwise.shard(GPT(gpt_config("tiny", seq_len=64)), wrap=shardwise.wrap.by_class(GPTBlock))

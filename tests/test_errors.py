@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn as nn
-from nets import Layer, PrimeMLP, batch, local_slice, loss_of, make, wrap_policy
+from nets import Layer, PrimeMLP, batch, loss_of, make, wrap_policy
 
 import shardwise
 from shardwise import ShardwiseError

@@ -3,7 +3,6 @@
 replicated across them: trains like one process, and moves the theory's bytes on each link."""
 
 import contextlib
-import copy
 
 import pytest
 import torch

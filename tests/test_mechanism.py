@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from nets import Block, batch, local_slice, loss_of, make, wrap_policy
+from nets import batch, local_slice, loss_of, make, wrap_policy
 
 import shardwise
 from shardwise.unit import ReplicatedUnit, ShardedUnit
@@ -307,7 +307,8 @@ def test_load_full_state_dict_names_the_bad_entry_on_every_rank(pools):
 
 # --- meta-device init equals eager init with the same seed
 def meta_init(size):
-    from shardwise.models import GPT, Block as GPTBlock, gpt_config
+    from shardwise.models import GPT, gpt_config
+    from shardwise.models import Block as GPTBlock
 
     cfg = gpt_config(size)
     torch.manual_seed(3)
@@ -329,7 +330,6 @@ def test_meta_init_equals_eager(pools, world_size):
 
 # --- whole parameters outside forward: other methods, inspection, edits
 def other_methods():
-    from nets import Layer
 
     ref = make("mlp")
     model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "mlp"))

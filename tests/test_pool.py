@@ -8,13 +8,11 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from pool import Outcome, WorkerError, WorkerPool, WorkerTimeout
 
 # ----------------------------------------------------------------- tasks (run in the workers)

@@ -30,7 +30,7 @@ from .build import (
 from .errors import ShardwiseError
 from .policies import MixedPrecision, Sharding
 from .runtime import Phase, Runtime
-from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
+from .unit import ReplicatedUnit, ShardedUnit, Unit
 from .wrap import Policy
 
 Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]

@@ -41,8 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from . import events
-from . import flight
+from . import events, flight
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from .errors import ShardwiseError
 
-
 DEFAULT_TIMEOUT_S = 300.0
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from . import collectives as C
 from . import events
 from .errors import ShardwiseError
 from .groups import Mesh
 from .policies import MixedPrecision, Sharding
-from . import collectives as C
 from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 

@@ -21,8 +21,8 @@ import os
 import sys
 import time
 import warnings
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
