@@ -107,8 +107,9 @@ def test_resume_is_bitwise_exact(pools, own_pool, tmp_path):
 
 
 # --- resharding: save at N=4, load at N=1, 2, 3 with other wraps and strategies
-def reshard_source(path):
-    model = sharded("tied")
+def reshard_source(path, **options):
+    """Train 4 steps, save, train 3 more: the saved values, the losses after, the final values."""
+    model = sharded("tied", **options)
     opt = adamw(model)
     train("tied", model, opt, 0, 4)
     ckpt.save(path, model, opt, step=4)
@@ -179,22 +180,12 @@ def test_tied_parameters_are_stored_once(source):
 
 
 # --- hybrid sharding: the first replica writes each row once; any layout loads it
-def hybrid_source_run(path):
-    model = sharded("tied", strategy="hybrid_shard", shard_size=2)
-    opt = adamw(model)
-    train("tied", model, opt, 0, 4)
-    ckpt.save(path, model, opt, step=4)
-    saved = shardwise.full_state_dict(model)
-    losses = train("tied", model, opt, 4, 7)
-    return saved, losses, shardwise.full_state_dict(model)
-
-
 @pytest.fixture(scope="module")
 def hybrid_source(pools, tmp_path_factory):
     """A checkpoint of the tied transformer saved under hybrid_shard on a 2x2 mesh (replicas x
     shard) at N=4, and how training went on from it."""
     path = tmp_path_factory.mktemp("hybrid") / "step-4"
-    saved, losses, final = pools(4).run(hybrid_source_run, path)[0]
+    saved, losses, final = pools(4).run(reshard_source, path, strategy="hybrid_shard", shard_size=2)[0]
     return path, saved, losses, final
 
 
