@@ -355,6 +355,21 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending
     )
 
 
+def blocking(kind: str, label: str, fn, *args, **kwargs):
+    """Run one of torch.distributed's own blocking calls (object collectives, a barrier, a
+    training loop's loss all-reduce) so that a failure, a peer that died say, ends this rank
+    with a ``CollectiveError`` naming where each rank was, as shardwise's own collectives do.
+    Not counted in ``comm_stats`` and kept out of the flight recorder's ring and digest: some
+    run on a thread of their own (a background checkpoint save) or on some ranks only."""
+    record = flight.Record(-1, kind, label, 0, "object")
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as exc:
+        raise flight.diagnose(record, _cause(exc)) from exc
+    record.done = True
+    return out
+
+
 def step_check_nbytes(num_flags: int) -> int:
     """Bytes of the tensor one step check all-reduces for ``num_flags`` trained parameters."""
     return 8 * (num_flags + 2)

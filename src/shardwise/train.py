@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import api, checkpoint, groups
+from . import collectives as C
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .policies import STRATEGIES
@@ -200,7 +201,7 @@ def worker(cfg: TrainConfig) -> dict:
         step_times.append(time.perf_counter() - t0)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             t = out.detach().clone()
-            dist.all_reduce(t)
+            C.blocking("all_reduce", "logged loss", dist.all_reduce, t)
             loss = t.item() / world
             first_loss = loss if first_loss is None else first_loss
             recent = step_times[-cfg.log_every :]
@@ -240,7 +241,7 @@ def worker(cfg: TrainConfig) -> dict:
         "step_ms": 1000 * sorted(timed)[len(timed) // 2],
     }
     rows = [None] * world
-    dist.all_gather_object(rows, row)
+    C.blocking("all_gather", "summary", dist.all_gather_object, rows, row)
     summary = {
         "config": asdict(cfg),
         "world_size": world,
@@ -253,7 +254,7 @@ def worker(cfg: TrainConfig) -> dict:
     }
     if rank == 0:
         print(render_summary(summary), flush=True)
-    dist.barrier()
+    C.blocking("barrier", "end of training", dist.barrier)
     return summary
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import collectives as C
 from .. import flight
 from ..errors import ShardwiseError
 from ..runtime import Runtime
@@ -100,7 +101,7 @@ def save_pretrained(
             feed.drain()
     outcome = [problem]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
+        C.blocking("broadcast", "save_pretrained outcome", dist.broadcast_object_list, outcome, src=0)
     if outcome[0]:
         raise CheckpointError(f"save_pretrained to {path} failed on rank 0: {outcome[0]}")
     return path

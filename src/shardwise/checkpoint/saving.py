@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import collectives as C
 from .. import groups
 from . import commit, files
 from .index import CheckpointError, Index, Piece, TensorRecord, rank_file
@@ -158,7 +159,10 @@ def save(
     except Exception as e:  # must reach the other ranks, or they would wait for this one
         problem = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     answers: list = [None] * world
-    dist.all_gather_object(answers, (problem, uuid.uuid4().hex[:12]), group=group)
+    C.blocking(
+        "all_gather", "checkpoint save agreement", dist.all_gather_object,
+        answers, (problem, uuid.uuid4().hex[:12]), group=group,
+    )
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(answers) if p]
     if problems:
         raise CheckpointError(
@@ -309,10 +313,10 @@ def _write_and_commit(snap: _Snapshot, tmp: Path, path: Path, group) -> None:
     outcome: list = [None]
     try:
         reports = [None] * world if rank == 0 else None
-        dist.gather_object(report, reports, dst=0, group=group)
+        C.blocking("gather", "checkpoint save reports", dist.gather_object, report, reports, dst=0, group=group)
         if rank == 0:
             outcome[0] = _commit(reports, tmp, path)
-        dist.broadcast_object_list(outcome, src=0, group=group)
+        C.blocking("broadcast", "checkpoint save outcome", dist.broadcast_object_list, outcome, src=0, group=group)
     except RuntimeError as e:  # a rank died or stalled: the collective timed out
         raise CheckpointError(
             f"save to {path} did not complete: another rank failed or died during it ({e}). "
