@@ -7,7 +7,7 @@
     opt = torch.optim.AdamW(model.parameters())        # sees only this rank's shards
 """
 
-from . import wrap
+from . import placement, wrap
 from .api import (
     clip_grad_norm_,
     full_state_dict,
@@ -44,6 +44,7 @@ __all__ = [
     "init",
     "shard",
     "wrap",
+    "placement",
     "no_sync",
     "clip_grad_norm_",
     "full_state_dict",

@@ -18,11 +18,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import collectives as C
 from . import flight, groups, streams
+from . import placement as placements
 from .build import (
     assign_params,
     broadcast_from_rank0,
+    UnitPlan,
     check_plans,
     fill_slot,
+    first_names,
     layout_of,
     materialize,
     select_units,
@@ -30,7 +33,7 @@ from .build import (
 from .errors import ShardwiseError
 from .policies import MixedPrecision, Sharding
 from .runtime import Phase, Runtime
-from .unit import ReplicatedUnit, ShardedUnit, Unit
+from .unit import ReplicatedUnit, ShardedUnit, Unit, shard_param
 from .wrap import Policy
 
 Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]
@@ -49,6 +52,7 @@ def shard(
     cpu_offload: bool = False,
     max_unsharded: int = 2,
     init_from: str | os.PathLike | None = None,
+    placement: placements.Placement | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
 
@@ -69,6 +73,12 @@ def shard(
     ``MixedPrecision``; shards and optimizer state stay in the parameters' dtype. fp16 needs a
     ``shardwise.GradScaler``. cpu_offload: shards, their gradients and so the optimizer state
     live in host memory; each unit is copied to the device just before its gather.
+
+    placement: ``callable(name, param) -> "rows" | "owned"`` for the parameters of wrapped
+    units (default: all rows). An owned parameter is held whole by one rank, which then holds
+    its gradient and optimizer state whole too: optimizers that need whole matrices (Muon,
+    Adafactor) are exact with ``shardwise.placement.matrices``. Owners are chosen largest
+    first, each to the least-loaded rank of the shard group.
 
     init_from: a standard safetensors model (a ``model.safetensors`` file, a Hugging Face
     index, or a directory holding either) whose values replace the initial ones, each rank
@@ -102,12 +112,15 @@ def shard(
     device = groups.device() if param_device is None or param_device.type == "cpu" else param_device
 
     sharded = sharding.shard
-    layouts = [layout_of(p, world if sharded else 1) for p in plans]
+    owned = _owned(plans, placement)
+    # no_shard: every rank holds every parameter whole; owned ones are only marked
+    owners = placements.choose_owners(owned, world if sharded else 1)
+    layouts = [layout_of(p, world if sharded else 1, o) for p, o in zip(plans, owners)]
     home = torch.device("cpu") if cpu_offload else device  # where the master shards live
     pin = cpu_offload and device.type == "cuda"
     flats = [
         torch.zeros(
-            lay.shard_numel,
+            lay.sizes[rank if sharded else 0],
             dtype=p.params[0].dtype if p.params else torch.float32,
             device=home,
             pin_memory=pin,
@@ -150,7 +163,9 @@ def shard(
                 )
             )
         else:
-            params = [nn.Parameter(v, requires_grad=r) for v, r in zip(lay.unsharded_views(flat), rg)]
+            params = [
+                shard_param(v, r, slot, 1) for v, r, slot in zip(lay.unsharded_views(flat), rg, lay.slots)
+            ]
             for r in plan.registrations:
                 r.module._parameters[r.attr] = params[r.index]
             units.append(
@@ -167,6 +182,17 @@ def shard(
 
         load_full(module, init_from)
     return module
+
+
+def _owned(plans: list[UnitPlan], placement: placements.Placement | None) -> list[list[tuple[int, bool]]]:
+    """(numel, owned) of each unit's parameters under ``placement``; the root unit's are rows."""
+    return [
+        [
+            (p.numel(), placement is not None and not plan.is_root and placements.ask(placement, r.fqn, p))
+            for p, r in first_names(plan)
+        ]
+        for plan in plans
+    ]
 
 
 def _runtime(model: nn.Module) -> Runtime:
@@ -211,6 +237,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "would update nothing. Build the optimizer after shard(), from "
                     "model.parameters()."
                 )
+    placements.check_whole_matrices(optimizer)
     _checked_optimizers[optimizer] = key
 
 

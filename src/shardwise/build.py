@@ -32,6 +32,10 @@ class UnitPlan:
     def label(self) -> str:
         return self.name or "<root>"
 
+    @property
+    def is_root(self) -> bool:
+        return self.name == ""
+
 
 def select_units(root: nn.Module, policy: Policy | None) -> list[UnitPlan]:
     """Units chosen by ``policy``, innermost first, with the root last."""
@@ -98,7 +102,7 @@ def check_plans(root: nn.Module, plans: list[UnitPlan]) -> torch.device | None:
     seen: dict[torch.device, str] = {}
     for plan in plans:
         dtypes = {}
-        for p, r in _first_names(plan):
+        for p, r in first_names(plan):
             dtypes.setdefault(p.dtype, r.fqn)
             if not p.is_meta:
                 seen.setdefault(p.device, r.fqn)
@@ -118,22 +122,22 @@ def check_plans(root: nn.Module, plans: list[UnitPlan]) -> torch.device | None:
     return next(iter(seen), None)
 
 
-def _first_names(plan: UnitPlan):
+def first_names(plan: UnitPlan):
     firsts = {}
     for r in plan.registrations:
         firsts.setdefault(r.index, r)
     return [(p, firsts[i]) for i, p in enumerate(plan.params)]
 
 
-def layout_of(plan: UnitPlan, world_size: int) -> Layout:
-    return Layout.build([(r.fqn, tuple(p.shape)) for p, r in _first_names(plan)], world_size)
+def layout_of(plan: UnitPlan, world_size: int, owners: list[int | None] | None = None) -> Layout:
+    return Layout.build([(r.fqn, tuple(p.shape)) for p, r in first_names(plan)], world_size, owners)
 
 
 def fill_slot(flat_shard: torch.Tensor, slot: Slot, rank: int, full: torch.Tensor) -> None:
     """Copy this rank's rows of the full tensor ``full`` into its segment of ``flat_shard``."""
     start, stop = slot.row_range(rank)
-    n = (stop - start) * slot.row_numel
-    flat_shard[slot.offset : slot.offset + n].copy_(full.reshape(slot.rows, -1)[start:stop].reshape(-1))
+    n, at = (stop - start) * slot.row_numel, slot.offsets[rank]
+    flat_shard[at : at + n].copy_(full.reshape(slot.rows, -1)[start:stop].reshape(-1))
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], device: torch.device, group, label: str) -> list[torch.Tensor]:

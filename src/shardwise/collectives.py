@@ -135,10 +135,13 @@ def _book(kind: str, nbytes_full: int, world: int, factor: int = 1) -> None:
     s.bytes += factor * nbytes_full * (world - 1) // world
 
 
-def _issue(kind: str, label: str, nbytes: int, tensor: torch.Tensor, start, buffers=None) -> Pending:
+def _issue(
+    kind: str, label: str, nbytes: int, tensor: torch.Tensor, start, buffers=None, numel: int | None = None
+) -> Pending:
     """Record the collective, then ``start()`` it; it returns a work, or (works, completion
-    step, result). The pending collective holds ``buffers`` until its wait."""
-    record = flight.record(kind, label, tensor.numel(), tensor.dtype)
+    step, result). The pending collective holds ``buffers`` until its wait. Its record notes
+    ``numel`` (default: the tensor's), which must be the same on every rank."""
+    record = flight.record(kind, label, tensor.numel() if numel is None else numel, tensor.dtype)
     t0 = time.perf_counter()
     try:
         issued = start()
@@ -243,36 +246,56 @@ class _Posted:
         return self.future.done() and all(w.is_completed() for w in self.future.result())
 
 
-def all_gather(shard: torch.Tensor, group, label: str, channel: int) -> Pending:
-    """Gather every rank's equal-sized ``shard``, asynchronously; after ``wait()``,
-    ``result[r]`` is rank r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it,
-    don't write it).
+def all_gather(shard: torch.Tensor, group, label: str, channel: int, sizes: tuple[int, ...] | None = None) -> Pending:
+    """Gather every rank's ``shard``, asynchronously; after ``wait()``, ``result[r]`` is rank
+    r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it, don't write it).
+    ``sizes[r]`` is rank r's element count where ranks hold different amounts (owned
+    parameters, Note [placement] in layout.py); None: all hold as many as this rank.
 
     Gloo: this rank's shard goes from where it lies to every other rank, and theirs into N-1
-    receive rows (Note [Gloo gather and reduce-scatter]). Otherwise one all-gather into a
-    rank-major tensor, handed out whole so that the copy-out is one kernel.
+    receive rows of their sizes (Note [Gloo gather and reduce-scatter]). Otherwise one
+    all-gather into a rank-major tensor, handed out whole so that the copy-out is one kernel;
+    with ragged sizes every rank's row is padded to the largest.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = world * shard.numel() * shard.element_size()
-    _book("all_gather", nbytes, world)
     mine = shard.view(-1)
+    sizes = sizes if sizes is not None else (mine.numel(),) * world
+    gloo = _on_gloo(group)
+    _book_ragged("all_gather", sizes, rank, shard.element_size(), padded=not gloo)
+    nbytes = sum(sizes) * shard.element_size()
 
     def start():
         if world == 1:
             return [], None, [mine]
-        if _on_gloo(group):
-            rows = list(mine.new_empty(world - 1, mine.numel()).unbind(0))
-            rows.insert(rank, mine)
+        if gloo:
+            rows = [mine if r == rank else mine.new_empty(n) for r, n in enumerate(sizes)]
             return _exchange([mine] * world, rows, group, _tag(channel, 0)), None, rows
-        out = mine.new_empty(world, mine.numel())  # one rank-major tensor: its rows index by rank
-        return [_all_gather_tensor(out, mine, group=group, async_op=True)], None, out
+        widest = max(sizes)
+        send = mine if mine.numel() == widest else torch.cat([mine, mine.new_zeros(widest - mine.numel())])
+        out = mine.new_empty(world, widest)  # one rank-major tensor: its rows index by rank
+        return [_all_gather_tensor(out, send, group=group, async_op=True)], None, out
 
-    return _issue("all_gather", label, nbytes, shard, start)
+    return _issue("all_gather", label, nbytes, shard, start, numel=max(sizes))
+
+
+def _book_ragged(kind: str, sizes: tuple[int, ...], rank: int, itemsize: int, padded: bool) -> None:
+    """Book a gather or reduce-scatter whose ranks hold ``sizes`` elements: a rank receives
+    (gather) or sends (reduce-scatter) every other rank's share, so over all ranks (N-1) times
+    the whole moves, (N-1)/N of it per rank on average as for a ring; padded to the largest
+    share where the backend needs equal rows (NCCL)."""
+    world = len(sizes)
+    if padded or len(set(sizes)) == 1:
+        _book(kind, world * max(sizes) * itemsize, world)
+        return
+    s = _stats[kind]
+    s.calls += 1
+    s.payload_bytes += sum(sizes) * itemsize
+    s.bytes += (sum(sizes) - sizes[rank]) * itemsize
 
 
 @dataclass
 class ScatterRows:
-    """The buffers of one reduce-scatter of ``numel`` elements per rank (``scatter_rows``).
+    """The buffers of one reduce-scatter (``scatter_rows``).
 
     Fill ``rows[r]`` with this rank's contribution to rank r's sum, then ``reduce_scatter``;
     ``out`` holds this rank's sum after the wait. On Gloo ``out`` is this rank's own row,
@@ -284,30 +307,38 @@ class ScatterRows:
     full: torch.Tensor | None  # the rows as one rank-major tensor, where the backend needs it
 
 
-def scatter_rows(numel: int, dtype: torch.dtype, device: torch.device, group) -> ScatterRows:
-    """Fresh buffers for a reduce-scatter over ``group`` (see ``ScatterRows``)."""
+def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device, group) -> ScatterRows:
+    """Fresh buffers for a reduce-scatter over ``group`` in which rank r's sum has
+    ``sizes[r]`` elements (see ``ScatterRows``; ragged where ranks own whole parameters)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    out = torch.empty(numel, dtype=dtype, device=device)
     if world == 1:
+        out = torch.empty(sizes[0], dtype=dtype, device=device)
         return ScatterRows([out], out, None)
     if _on_gloo(group):
-        rows = list(torch.empty(world - 1, numel, dtype=dtype, device=device).unbind(0))
-        rows.insert(rank, out)
-        return ScatterRows(rows, out, None)
-    full = torch.empty(world, numel, dtype=dtype, device=device)
-    return ScatterRows(list(full.unbind(0)), out, full)
+        if len(set(sizes)) == 1:  # one allocation for all rows
+            rows = list(torch.empty(world, sizes[0], dtype=dtype, device=device).unbind(0))
+        else:
+            rows = [torch.empty(n, dtype=dtype, device=device) for n in sizes]
+        return ScatterRows(rows, rows[rank], None)
+    widest = max(sizes)  # NCCL: equal rows, padded to the largest (the padding's sums are unused)
+    full = torch.empty(world, widest, dtype=dtype, device=device)
+    out = torch.empty(widest, dtype=dtype, device=device)
+    return ScatterRows([row[:n] for row, n in zip(full.unbind(0), sizes)], out, full)
 
 
 def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending:
     """Sum the filled ``buf.rows`` over ranks into ``buf.out``, asynchronously (the other
-    rows are scratch afterwards).
+    rows are scratch afterwards). Where a row is a whole owned parameter's gradient, this is
+    a reduce to its owner.
 
     Gloo: each row goes to its rank, the others' rows for this rank arrive in N-1 receive
     rows and are added to ``out`` at the wait. Otherwise one reduce-scatter.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = world * buf.out.numel() * buf.out.element_size()
-    _book("reduce_scatter", nbytes, world)
+    sizes = tuple(r.numel() for r in buf.rows)
+    itemsize = buf.out.element_size()
+    _book_ragged("reduce_scatter", sizes, rank, itemsize, padded=buf.full is not None)
+    nbytes = sum(sizes) * itemsize
     held = [buf.rows, buf.full]  # every buffer it uses, held by the pending collective
 
     def start():
@@ -327,7 +358,7 @@ def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending
             return works, add_received, None
         return [_reduce_scatter_tensor(buf.out, buf.full, group=group, async_op=True)], None, None
 
-    return _issue("reduce_scatter", label, nbytes, buf.out, start, buffers=held)
+    return _issue("reduce_scatter", label, nbytes, buf.out, start, buffers=held, numel=max(sizes))
 
 
 def all_reduce(
@@ -336,12 +367,16 @@ def all_reduce(
     label: str,
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     kind: str = "all_reduce",
+    numel: int | None = None,
 ) -> Pending:
-    """Reduce ``tensor`` in place over ranks, asynchronously (booked as ``kind``)."""
+    """Reduce ``tensor`` in place over ranks, asynchronously (booked as ``kind``; ``numel``
+    is what the flight record notes where ranks of other groups reduce other sizes)."""
     world = dist.get_world_size(group)
     _book(kind, tensor.numel() * tensor.element_size(), world, factor=2)
     nbytes = tensor.numel() * tensor.element_size()
-    return _issue(kind, label, nbytes, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    return _issue(
+        kind, label, nbytes, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), numel=numel
+    )
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:

@@ -1,13 +1,21 @@
-"""How one unit's parameters map onto flat buffers and onto N equal shards.
+"""How one unit's parameters map onto flat buffers and onto the ranks of its group.
 
-Row (dim-0) sharding: rank k owns rows [k*R, (k+1)*R) of every parameter, R = ceil(rows / N),
-so a shard is shaped like its parameter (natural optimizer state, state dicts, resharding).
-A 0-dim parameter counts as one row of one element. Each rank keeps its shards of a unit in one
-flat buffer of ``shard_numel`` elements (segment i holds parameter i's R rows, zero padded),
-which is exactly the input of the unit's all-gather: no copy-in. A gather yields every rank's
-flat shard (this rank's is its own buffer); ``unpack`` copies them out to the parameter-major
+Each parameter has a placement (Note [placement]):
+- rows (dim-0 sharding): rank k holds rows [k*R, (k+1)*R) of it, R = ceil(rows / N), so a
+  shard is shaped like its parameter (natural optimizer state, state dicts, resharding);
+- owned: one rank, its owner, holds it whole; the others hold none of it.
+A 0-dim parameter counts as one row of one element. Each rank keeps its pieces of a unit in one
+flat buffer (segment i holds its R rows of parameter i, zero padded, or the whole of an owned
+parameter on its owner, or nothing), which is exactly what the rank contributes to the unit's
+gather: no copy-in. With owned parameters the ranks' buffers differ in size (``sizes``). A
+gather yields every rank's flat buffer; ``unpack`` copies them out to the parameter-major
 unsharded buffer whose slices are the full parameters, and ``pack`` is the reverse for
-gradients.
+gradients (an owned parameter's gradient goes whole to its owner: a reduce).
+
+Note [placement]: placement is per parameter and it is data: gathers, reductions, the
+optimizer's view, checkpoints, the planner and the tracer all read the slot, none asks which
+optimizer runs. An optimizer that needs whole matrices (Muon, Adafactor) runs unchanged on
+the owners, with nothing to communicate in its step.
 
 Pure tensor bookkeeping: no process group here, unit-tested on its own.
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,8 +36,9 @@ class Slot:
 
     name: str  # qualified name of the parameter (its first name, for a shared parameter)
     shape: tuple[int, ...]  # unsharded shape
-    rows_per_rank: int  # R: rows every rank holds, padding included
-    offset: int  # element offset of this parameter's segment in the flat shard
+    rows_per_rank: int  # R: rows every rank holds, padding included (owned: all rows)
+    offsets: tuple[int, ...]  # per rank: element offset of this parameter's segment in its flat shard
+    owner: int | None = None  # the rank that holds it whole; None: rows on every rank
 
     @property
     def rows(self) -> int:
@@ -43,17 +53,28 @@ class Slot:
         return math.prod(self.shape)
 
     @property
-    def shard_numel(self) -> int:
-        """Elements of this parameter's segment on every rank, padding included."""
-        return self.rows_per_rank * self.row_numel
+    def owned(self) -> bool:
+        return self.owner is not None
+
+    def numel_on(self, rank: int) -> int:
+        """Elements of this parameter's segment in ``rank``'s flat shard, padding included."""
+        if self.owner is None:
+            return self.rows_per_rank * self.row_numel
+        return self.numel if rank == self.owner else 0
+
+    def full_numel(self, world: int) -> int:
+        """Elements of its part of the unsharded buffer (rows: every rank's padded segment)."""
+        return world * self.rows_per_rank * self.row_numel if self.owner is None else self.numel
 
     def row_range(self, rank: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of the unsharded parameter that ``rank`` owns."""
+        """The rows ``[start, stop)`` of the unsharded parameter that ``rank`` holds."""
+        if self.owner is not None:
+            return (0, self.rows) if rank == self.owner else (0, 0)
         start = min(rank * self.rows_per_rank, self.rows)
         return start, min(start + self.rows_per_rank, self.rows)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        """Shape of ``rank``'s shard without padding (0 rows where a rank owns none)."""
+        """Shape of ``rank``'s piece without padding (0 rows where a rank holds none)."""
         start, stop = self.row_range(rank)
         return (stop - start, *self.shape[1:])
 
@@ -66,28 +87,41 @@ class Layout:
     world_size: int
 
     @staticmethod
-    def build(named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> Layout:
-        slots, offset = [], 0
-        for name, shape in named_shapes:
+    def build(
+        named_shapes: list[tuple[str, tuple[int, ...]]],
+        world_size: int,
+        owners: Sequence[int | None] | None = None,
+    ) -> Layout:
+        """Lay parameters out in order; ``owners[i]`` is parameter i's owner (None: rows)."""
+        owners = owners if owners is not None else [None] * len(named_shapes)
+        slots, offsets = [], [0] * world_size
+        for (name, shape), owner in zip(named_shapes, owners):
             rows = shape[0] if shape else 1
-            slot = Slot(name, tuple(shape), -(-rows // world_size), offset)
+            per_rank = rows if owner is not None else -(-rows // world_size)
+            slot = Slot(name, tuple(shape), per_rank, tuple(offsets), owner)
             slots.append(slot)
-            offset += slot.shard_numel
+            offsets = [o + slot.numel_on(r) for r, o in enumerate(offsets)]
         return Layout(tuple(slots), world_size)
 
     def subset(self, keep: list[bool]) -> Layout:
         """The layout of the kept slots alone (e.g. the trainable ones, for gradients)."""
-        return Layout.build([(s.name, s.shape) for s, k in zip(self.slots, keep) if k], self.world_size)
+        kept = [s for s, k in zip(self.slots, keep) if k]
+        return Layout.build([(s.name, s.shape) for s in kept], self.world_size, [s.owner for s in kept])
 
-    @property
-    def shard_numel(self) -> int:
-        """Elements of one rank's flat shard, padding included."""
-        return sum(s.shard_numel for s in self.slots)
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Elements of each rank's flat shard, padding included."""
+        return tuple(sum(s.numel_on(r) for s in self.slots) for r in range(self.world_size))
+
+    @cached_property
+    def uniform(self) -> bool:
+        """Every parameter in rows: every rank's flat shard has the same size."""
+        return not any(s.owned for s in self.slots)
 
     @property
     def unsharded_numel(self) -> int:
-        """Elements of the gathered buffer: ``world_size * shard_numel`` (padding included)."""
-        return self.world_size * self.shard_numel
+        """Elements of the gathered buffer (padding rows included)."""
+        return sum(s.full_numel(self.world_size) for s in self.slots)
 
     @property
     def numel(self) -> int:
@@ -95,12 +129,12 @@ class Layout:
         return sum(s.numel for s in self.slots)
 
     def shard_views(self, flat_shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
-        """Views of ``flat_shard`` shaped as this rank's unpadded shards."""
+        """Views of ``flat_shard`` shaped as this rank's unpadded pieces."""
         views = []
         for s in self.slots:
             start, stop = s.row_range(rank)
             n = (stop - start) * s.row_numel
-            views.append(flat_shard[s.offset : s.offset + n].view(s.local_shape(rank)))
+            views.append(flat_shard[s.offsets[rank] : s.offsets[rank] + n].view(s.local_shape(rank)))
         return views
 
     def unsharded_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
@@ -108,23 +142,37 @@ class Layout:
         views, start = [], 0
         for s in self.slots:
             views.append(flat_full[start : start + s.numel].view(s.shape))
-            start += self.world_size * s.shard_numel
+            start += s.full_numel(self.world_size)
         return views
 
+    def _targets(self, flat_full: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """Where each segment of ``rank``'s flat shard lands in the unsharded buffer."""
+        out, start = [], 0
+        for s in self.slots:
+            k = s.numel_on(rank)
+            if s.owner is None:
+                out.append(flat_full[start + rank * k : start + (rank + 1) * k])
+            elif k:
+                out.append(flat_full[start : start + k])
+            start += s.full_numel(self.world_size)
+        return out
+
     def unpack(self, rows: Sequence[torch.Tensor] | torch.Tensor, flat_full: torch.Tensor) -> None:
-        """Copy every rank's flat shard (``rows[r]``: rank r's) into its rows of each
-        parameter in the parameter-major unsharded buffer: one copy per row, or one in all
-        when ``rows`` is a single rank-major tensor (an NCCL gather's output)."""
+        """Copy every rank's flat shard (``rows[r]``: rank r's) into its place in the
+        parameter-major unsharded buffer: one copy per rank, or one in all for a uniform
+        layout when ``rows`` is a single rank-major tensor (an NCCL gather's output; with
+        owned parameters its rows are padded to the largest rank's size)."""
         n = self.world_size
-        sizes = [s.shard_numel for s in self.slots]
-        segments = torch.split(flat_full, [n * k for k in sizes])
-        if isinstance(rows, torch.Tensor):
+        if isinstance(rows, torch.Tensor) and self.uniform:
+            sizes = [s.numel_on(0) for s in self.slots]
+            segments = torch.split(flat_full, [n * k for k in sizes])
             outs = [seg.view(n, k) for seg, k in zip(segments, sizes)]
             torch.split_with_sizes_copy(rows.view(n, -1), sizes, dim=1, out=outs)
             return
-        for r, row in enumerate(rows):
-            outs = [seg[r * k : (r + 1) * k] for seg, k in zip(segments, sizes)]
-            torch.split_with_sizes_copy(row.view(-1), sizes, out=outs)
+        for r in range(n):
+            row = rows[r].view(-1)[: self.sizes[r]]
+            sizes = [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)]
+            torch.split_with_sizes_copy(row, sizes, out=self._targets(flat_full, r))
 
     def pack(self, full: list[torch.Tensor], rows: Sequence[torch.Tensor]) -> None:
         """Lay full tensors (one per slot) out as every rank's flat shard: ``rows[r]`` gets
@@ -136,10 +184,14 @@ class Layout:
         """Write ``rank``'s flat shard of full tensors (one per slot) into ``out``, zero padded."""
         parts = []
         for s, t in zip(self.slots, full):
+            k = s.numel_on(rank)
+            if not k:
+                continue
             flat = t.reshape(-1)
-            start = min(rank * s.shard_numel, s.numel)
-            stop = min(start + s.shard_numel, s.numel)
+            start = 0 if s.owned else min(rank * k, s.numel)
+            stop = min(start + k, s.numel)
             parts.append(flat[start:stop])
-            if stop - start < s.shard_numel:
-                parts.append(flat.new_zeros(s.shard_numel - (stop - start)))
-        torch.cat(parts, out=out.view(-1))
+            if stop - start < k:
+                parts.append(flat.new_zeros(k - (stop - start)))
+        if parts:
+            torch.cat(parts, out=out.view(-1)[: self.sizes[rank]])

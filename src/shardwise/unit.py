@@ -174,8 +174,8 @@ class ShardedUnit(Unit):
         self._direct = not offload and self.compute_dtype == flat_shard.dtype
         self.streams = streams  # CUDA side streams; None on CPU (Note [stream ordering])
         self.shard_params = [
-            nn.Parameter(v, requires_grad=rg)
-            for v, rg in zip(layout.shard_views(flat_shard, self.rank), requires_grad)
+            shard_param(v, rg, slot, self.world)
+            for v, rg, slot in zip(layout.shard_views(flat_shard, self.rank), requires_grad, layout.slots)
         ]
         # one rank, no cast, no offload: the shard is the whole parameter, so the full
         # parameters are views of the flat shard itself and gathering is only the swap
@@ -241,7 +241,7 @@ class ShardedUnit(Unit):
                 if self._direct
                 else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
             )
-            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel, self.layout.sizes)
         self.state = UnitState.GATHERING
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
@@ -259,7 +259,7 @@ class ShardedUnit(Unit):
                 self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True, copy=True)
             s.gather.wait_stream(s.copy_in)
         with s.use(s.gather):
-            self._gather = C.all_gather(self._send, self.group, self.label, self.channel)
+            self._gather = C.all_gather(self._send, self.group, self.label, self.channel, self.layout.sizes)
             self._gather.wait()  # the gather stream waits for it, not the CPU
             return s.gather.record_event()
 
@@ -311,7 +311,7 @@ class ShardedUnit(Unit):
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
             return
-        buf = C.scatter_rows(self.grad_layout.shard_numel, self.reduce_dtype, self.device, self.group)
+        buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
         self.grad_layout.pack(grads, buf.rows)  # casts to the reduction dtype on the way
         del grads
         self._predivided = self.reduce_dtype.itemsize < 4
@@ -335,7 +335,13 @@ class ShardedUnit(Unit):
             self._reduce.wait()
             self._reduce = None
         if self.streams is None and self.replicate is not None and self._reduce_out is not None and self._replica is None:
-            self._replica = C.all_reduce(self._reduce_out, self.replicate, self.label, kind="replica_all_reduce")
+            self._replica = self._replica_all_reduce(self._reduce_out)
+
+    def _replica_all_reduce(self, shard: torch.Tensor) -> C.Pending:
+        # with owned parameters each shard position reduces its own size: records note the largest
+        return C.all_reduce(
+            shard, self.replicate, self.label, kind="replica_all_reduce", numel=max(self.grad_layout.sizes)
+        )
 
     def finish_reduce(self) -> None:
         """Wait for the reduction, average, and leave ``.grad`` on the shard parameters (in the
@@ -356,7 +362,9 @@ class ShardedUnit(Unit):
         out = self._reduced_shard()
         views = self.grad_layout.shard_views(out, self.rank)
         self._fresh = [p.grad is None for p in shards]
-        for p, g in zip(shards, views):
+        for p, g, slot in zip(shards, views, self.grad_layout.slots):
+            if slot.owned and slot.owner != self.rank:  # its owner holds its gradient
+                continue
             if p.grad is None:
                 p.grad = g
             else:
@@ -377,7 +385,7 @@ class ShardedUnit(Unit):
                 # the stream waits for it, not the CPU
                 C.reduce_scatter(buf, self.group, self.label, self.channel).wait()
             if self.replicate is not None:
-                C.all_reduce(buf.out, self.replicate, self.label, kind="replica_all_reduce").wait()
+                self._replica_all_reduce(buf.out).wait()
             self._reduce_out = self._to_master(buf.out)
             self._reduced = s.reduce.record_event()
         self._reduce_rows = buf  # compute allocated them: held until it waits (rule 3)
@@ -410,7 +418,9 @@ class ShardedUnit(Unit):
     # --- whole-parameter access outside the life cycle (state dicts, inspection)
     def gather_full(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, as fresh tensors (one blocking all-gather)."""
-        gather = C.all_gather(self.flat_shard.to(self.device), self.group, self.label, self.channel)
+        gather = C.all_gather(
+            self.flat_shard.to(self.device), self.group, self.label, self.channel, self.layout.sizes
+        )
         gather.wait()
         full = torch.empty(self.layout.unsharded_numel, dtype=self.flat_shard.dtype, device=self.device)
         self.layout.unpack(gather.result, full)
@@ -422,6 +432,17 @@ class ShardedUnit(Unit):
             row = torch.empty_like(self.flat_shard)  # the tensors may alias the shard (one rank)
             self.layout.pack_row([t.to(self.flat_shard) for t in tensors], self.rank, row)
             self.flat_shard.copy_(row)
+
+
+def shard_param(view: torch.Tensor, requires_grad: bool, slot, world: int) -> nn.Parameter:
+    """The parameter the optimizer steps for one slot on this rank, marked with its placement
+    (shardwise.placement reads the marks): owned, or a matrix split in rows across ranks."""
+    p = nn.Parameter(view, requires_grad=requires_grad)
+    if slot.owned:
+        p._shardwise_owned = True
+    elif len(slot.shape) == 2 and world > 1:
+        p._shardwise_split = slot.name  # a matrix whose rows are split across ranks
+    return p
 
 
 class ReplicatedUnit(Unit):
