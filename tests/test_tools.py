@@ -79,7 +79,7 @@ def tracer_facts():
     model, opt, t = traced_run(steps=2)
     held = shardwise.held_bytes(model, None)
     # the gradient shards a step leaves (padded, as the reduction's output is laid out)
-    held["grads"] = sum(u.grad_layout.shard_numel * 4 for u in shardwise.units(model))
+    held["grads"] = sum(u.grad_layout.sizes[u.rank] * 4 for u in shardwise.units(model))
     data = t.data
     after = {
         "listeners": len(events.listeners),

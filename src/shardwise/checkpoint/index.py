@@ -109,7 +109,8 @@ class Index:
     extra: Any
     files: dict[str, dict]  # file name -> {"bytes": size, "crc32": hex}
     tensors: dict[str, TensorRecord]
-    optimizer: dict | None  # {"class", "param_groups": [{..., "params": [names]}], "values"}
+    # {"class", "param_groups": [{..., "params": [names]}], "values"}, or a list of them
+    optimizer: dict | list[dict] | None
     rng: list[dict[str, str]]  # per saving rank: {"file": name, "cpu": entry[, "cuda": entry]}
 
     def to_bytes(self) -> bytes:

@@ -15,7 +15,7 @@ import functools
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,7 @@ from .. import collectives as C
 from . import files, pretrained
 from .index import CheckpointError, Index, Piece, TensorRecord, read_index
 from .saving import finish_pending
-from .state import ParamSlot, optimizer_names, param_slots, persistent_buffers, runtime_of
+from .state import ParamSlot, optimizer_names, optimizers, param_slots, persistent_buffers, runtime_of
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,16 @@ def _agree(plan: _Plan, what: str, group) -> None:
 
 
 def load(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
 ) -> CheckpointInfo:
     """Load a checkpoint written by ``save()`` into a sharded model (and optimizer).
 
     Collective. Works at any world size, wrap and strategy: tensors are matched by name and
     each rank reads only the rows it now owns, so host memory stays O(shard). Optimizer state
-    is resharded the same way, and the param groups' hyper-parameters restored. Each rank's
+    is resharded the same way (pass the optimizers in the order they were saved, e.g. Muon's
+    and AdamW's), and the param groups' hyper-parameters restored. Each rank's
     RNG states are restored when the world size is the one saved. Any mismatch (a missing or
     extra tensor, shape, dtype, a missing, truncated or corrupt file) raises CheckpointError
     on every rank, naming the tensor and the file, before anything is changed.
@@ -189,7 +192,11 @@ def load(
             if (
                 optimizer is not None and params_match
             ):  # else its every difference follows from theirs
-                restore.append(_plan_optimizer(plan, index, optimizer, slots))
+                opts = optimizers(optimizer)
+                saved = _saved_optimizers(index, len(opts))
+                held = {n for o in opts for names in optimizer_names(o, slots) for n in names}
+                for opt, entry in zip(opts, saved):
+                    restore.append(_plan_optimizer(plan, index, opt, entry, slots, held))
             if index.world_size == world:
                 restore.append(_plan_rng(plan, index.rng[rank]))
         except Exception as e:  # any rank's failure must reach the others: see _agree
@@ -282,16 +289,34 @@ def _check_record(
     return True
 
 
-def _plan_optimizer(
-    plan: _Plan, index: Index, optimizer: torch.optim.Optimizer, slots: list[ParamSlot]
-) -> Callable[[], None]:
-    """Check the optimizer against the checkpoint; return what installs its state."""
+def _saved_optimizers(index: Index, count: int) -> list[dict]:
+    """The checkpoint's optimizer entries, as many as the optimizers being loaded."""
     saved = index.optimizer
-    cls = type(optimizer).__name__
     if saved is None:
         raise CheckpointError(
             "the checkpoint holds no optimizer state: pass optimizer=None to load the model alone"
         )
+    saved = saved if isinstance(saved, list) else [saved]
+    if len(saved) != count:
+        classes = [e["class"] for e in saved]
+        raise CheckpointError(
+            f"the checkpoint holds the state of {len(saved)} optimizers ({', '.join(classes)}), "
+            f"{count} were passed: pass the same optimizers, in the order they were saved"
+        )
+    return saved
+
+
+def _plan_optimizer(
+    plan: _Plan,
+    index: Index,
+    optimizer: torch.optim.Optimizer,
+    saved: dict,
+    slots: list[ParamSlot],
+    held: set[str],
+) -> Callable[[], None]:
+    """Check the optimizer against its entry in the checkpoint; return what installs its
+    state. ``held`` names the parameters of every optimizer being loaded."""
+    cls = type(optimizer).__name__
     if saved["class"] != cls:
         raise CheckpointError(f"the checkpoint's optimizer is {saved['class']}, this one is {cls}")
     groups = optimizer_names(optimizer, slots)
@@ -311,14 +336,14 @@ def _plan_optimizer(
     group_of = {n: g for names, g in zip(groups, optimizer.param_groups) for n in names}
     state: dict[str, dict[str, Any]] = {}  # parameter name -> its new state (filled by the copies)
     records = {n: r for n, r in index.tensors.items() if r.kind in ("optim", "optim_scalar")}
-    foreign = [n for n, r in records.items() if r.param not in group_of]
+    foreign = [n for n, r in records.items() if r.param not in held]
     if foreign:
         plan.problem(
             "optimizer state in the checkpoint for parameters this optimizer does not hold: "
             + _located(foreign, records)
         )
     for rec in records.values():
-        if rec.param not in group_of:
+        if rec.param not in group_of or by_name[rec.param].elsewhere:  # its owner holds its state
             continue
         s = by_name[rec.param]
         if rec.kind == "optim":
@@ -343,7 +368,7 @@ def _plan_optimizer(
             plan.rows(rec.name, (), rec.dtype, rec.pieces, 0, 1, dest.view(1))
         state.setdefault(rec.param, {})[rec.key] = dest
     for pname, values in saved["values"].items():
-        if pname in group_of:
+        if pname in group_of and not by_name[pname].elsewhere:
             state.setdefault(pname, {}).update(values)
 
     def install() -> None:

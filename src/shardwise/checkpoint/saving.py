@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +41,7 @@ from .state import (
     ParamSlot,
     is_per_element,
     optimizer_names,
+    optimizers,
     param_slots,
     per_element_keys,
     persistent_buffers,
@@ -114,6 +115,7 @@ class _Report:
     )  # (name, start, stop) in its file
     rng: dict[str, str] = field(default_factory=dict)
     meta: dict | None = None  # rank 0: strategy, step, extra, optimizer
+    values: dict = field(default_factory=dict)  # optimizer numbers of the parameters it writes whole
     written: dict | None = None  # {"bytes", "crc32"} once the file is on disk
     error: str = ""
 
@@ -127,7 +129,7 @@ class _Snapshot:
 def save(
     path: str | os.PathLike,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     step: int | None = None,
     extra: Any = None,
@@ -143,6 +145,7 @@ def save(
     complete (an existing one is replaced), so a crash at any moment leaves the previous
     checkpoints loadable. ``step`` and ``extra`` (any
     JSON value, e.g. a data position; rank 0's is kept) come back from ``load()``.
+    ``optimizer`` may be a list (e.g. Muon on the owned matrices and AdamW on the rest).
 
     async_: copy the snapshot to host memory and write it in a background thread while
     training continues; the returned handle's ``wait()`` blocks until it is committed. A later
@@ -197,10 +200,10 @@ def _snapshot(
         # a host copy when the write runs later or the tensor is not in host memory
         return t.detach().to("cpu", copy=True) if copy or t.device.type != "cpu" else t.detach()
 
-    def add(rec: TensorRecord, slot: ParamSlot | None, t: torch.Tensor) -> None:
+    def add(rec: TensorRecord, slot: ParamSlot | None, t: torch.Tensor, whole: bool | None = None) -> None:
         rep.records.append(rec)
-        if slot is None:  # buffers and scalars: whole, from rank 0
-            if rank == 0:
+        if slot is None:  # buffers and scalars: whole, from rank 0 (or as ``whole`` says)
+            if (rank == 0) if whole is None else whole:
                 snap.entries.append(files.whole(rec.name, take(t)))
                 rep.pieces.append((rec.name, 0, rec.rows))
             return
@@ -219,9 +222,11 @@ def _snapshot(
         add(TensorRecord(name, "buffer", b.dtype, tuple(b.shape)), None, b)
     opt_meta = None
     if optimizer is not None:
-        values = _optimizer_state(optimizer, slots, add)
-        hyper = _param_groups(optimizer, optimizer_names(optimizer, slots))
-        opt_meta = {"class": type(optimizer).__name__, "param_groups": hyper, "values": values}
+        opt_meta = []
+        for opt in optimizers(optimizer):
+            rep.values.update(_optimizer_state(opt, slots, add))
+            hyper = _param_groups(opt, optimizer_names(opt, slots))
+            opt_meta.append({"class": type(opt).__name__, "param_groups": hyper})
     rep.rng["cpu"] = "rng.cpu"
     snap.entries.append(files.whole("rng.cpu", torch.get_rng_state()))
     if torch.cuda.is_available():
@@ -259,9 +264,10 @@ def _optimizer_state(optimizer, slots: list[ParamSlot], add) -> dict[str, dict]:
             if is_per_element(p, key, v, keys):
                 add(TensorRecord(name, "optim", v.dtype, s.shape, param=s.name, key=key), s, v)
             elif torch.is_tensor(v) and v.dim() == 0:
-                add(TensorRecord(name, "optim_scalar", v.dtype, (), param=s.name, key=key), None, v)
+                add(TensorRecord(name, "optim_scalar", v.dtype, (), param=s.name, key=key), None, v, s.writes_whole)
             elif v is None or isinstance(v, (bool, int, float)):
-                values.setdefault(s.name, {})[key] = v
+                if s.writes_whole:
+                    values.setdefault(s.name, {})[key] = v
             else:
                 what = (
                     f"a tensor of shape {tuple(v.shape)}"
@@ -366,6 +372,13 @@ def _merge(reports: list[_Report]) -> Index:
                 "parameters"
             )
     meta = reports[0].meta
+    optimizer = meta["optimizer"]
+    if optimizer is not None:  # each optimizer's numbers, from the ranks that wrote them
+        values = {k: v for rep in reports for k, v in rep.values.items()}
+        for entry in optimizer:
+            names = {n for g in entry["param_groups"] for n in g["params"]}
+            entry["values"] = {k: v for k, v in values.items() if k in names}
+        optimizer = optimizer[0] if len(optimizer) == 1 else optimizer
     return Index(
         world_size=len(reports),
         strategy=meta["strategy"],
@@ -373,6 +386,6 @@ def _merge(reports: list[_Report]) -> Index:
         extra=meta["extra"],
         files={rep.file: rep.written for rep in reports},
         tensors=tensors,
-        optimizer=meta["optimizer"],
+        optimizer=optimizer,
         rng=[{"file": rep.file, **rep.rng} for rep in reports],
     )

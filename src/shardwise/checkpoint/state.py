@@ -2,7 +2,8 @@
 
 Parameters are named by their first qualified name (a tied parameter's other names are its
 aliases). Every tensor is split by rows as the layout splits parameters: rank r of N owns rows
-``[r*R, (r+1)*R)``, R = ceil(rows / N), a 0-dim tensor counting as one row. A sharded unit's
+``[r*R, (r+1)*R)``, R = ceil(rows / N), a 0-dim tensor counting as one row; an owned
+parameter's owner holds all its rows and its optimizer state, the other ranks none. A sharded unit's
 rank holds and saves just those rows; a replicated (no_shard) unit's rank holds all rows but
 saves only its share, so every rank writes 1/N of every tensor whatever the strategy. With
 hybrid sharding N is the shard group's size, and only the first replica (the shard group
@@ -39,6 +40,10 @@ class ParamSlot:
     held: tuple[int, int]  # rows of the full parameter that ``tensor`` holds
     saved: tuple[int, int]  # rows this rank writes (within ``held``; none outside the first replica)
     tensor: nn.Parameter  # what model.parameters() yields: the shard, or the whole parameter
+    # this rank writes the parameter's optimizer scalars and numbers: rank 0, or for an owned
+    # parameter its owner in the first replica (the only rank whose optimizer steps it)
+    writes_whole: bool
+    elsewhere: bool  # owned by another rank: this one holds none of it and no optimizer state
 
     def rows_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (shaped like ``tensor``) viewed as its held rows: ``(rows, *shape[1:])``."""
@@ -61,6 +66,7 @@ def runtime_of(model: nn.Module, what: str) -> Runtime:
 def param_slots(rt: Runtime) -> list[ParamSlot]:
     """Every parameter of the model, in ``named_parameters()`` order."""
     writes = rt.mesh.first_replica()
+    rank0 = dist.get_rank() == 0
     slots = []
     for unit in rt.units:
         names: dict[int, list[str]] = {}
@@ -71,10 +77,15 @@ def param_slots(rt: Runtime) -> list[ParamSlot]:
         for i, p in enumerate(params):
             first, *aliases = names[i]
             shape = tuple(unit.full_params[i].shape)
-            owned = owned_rows(shape, unit.rank, unit.world)
-            held = owned if sharded else (0, shape[0] if shape else 1)
-            saved = owned if writes else (owned[0], owned[0])
-            slots.append(ParamSlot(first, tuple(aliases), shape, held, saved, p))
+            owner = unit.layout.slots[i].owner if sharded else None
+            if owner is None:
+                mine, whole = owned_rows(shape, unit.rank, unit.world), rank0
+            else:
+                mine, whole = unit.layout.slots[i].row_range(unit.rank), writes and owner == unit.rank
+            held = mine if sharded else (0, shape[0] if shape else 1)
+            saved = mine if writes else (mine[0], mine[0])
+            elsewhere = owner is not None and owner != unit.rank
+            slots.append(ParamSlot(first, tuple(aliases), shape, held, saved, p, whole, elsewhere))
     order = {name: i for i, (name, _) in enumerate(rt.root.named_parameters())}
     return sorted(slots, key=lambda s: order[s.name])
 
@@ -109,6 +120,17 @@ def is_per_element(p: torch.Tensor, key: str, value, keys: set[str]) -> bool:
     if not torch.is_tensor(value) or value.shape != p.shape:
         return False
     return p.dim() > 0 or key in keys
+
+
+def optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """One optimizer or several (e.g. Muon on the matrices, AdamW on the rest) as a list."""
+    if optimizer is None:
+        return []
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    bad = [type(o).__name__ for o in opts if not isinstance(o, torch.optim.Optimizer)]
+    if bad:
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {bad}")
+    return opts
 
 
 def optimizer_names(optimizer: torch.optim.Optimizer, slots: list[ParamSlot]) -> list[list[str]]:
