@@ -315,11 +315,14 @@ def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.devic
         out = torch.empty(sizes[0], dtype=dtype, device=device)
         return ScatterRows([out], out, None)
     if _on_gloo(group):
-        if len(set(sizes)) == 1:  # one allocation for all rows
-            rows = list(torch.empty(world, sizes[0], dtype=dtype, device=device).unbind(0))
+        # ``out`` is an allocation of its own: the gradient shards are views of it and keep it
+        out = torch.empty(sizes[rank], dtype=dtype, device=device)
+        if len(set(sizes)) == 1:  # the rows it sends: one allocation
+            rows = list(torch.empty(world - 1, sizes[0], dtype=dtype, device=device).unbind(0))
         else:
-            rows = [torch.empty(n, dtype=dtype, device=device) for n in sizes]
-        return ScatterRows(rows, rows[rank], None)
+            rows = [torch.empty(n, dtype=dtype, device=device) for r, n in enumerate(sizes) if r != rank]
+        rows.insert(rank, out)
+        return ScatterRows(rows, out, None)
     widest = max(sizes)  # NCCL: equal rows, padded to the largest (the padding's sums are unused)
     full = torch.empty(world, widest, dtype=dtype, device=device)
     out = torch.empty(widest, dtype=dtype, device=device)
