@@ -268,7 +268,9 @@ def all_gather(shard: torch.Tensor, group, label: str, channel: int, sizes: tupl
         if world == 1:
             return [], None, [mine]
         if gloo:
-            rows = [mine if r == rank else mine.new_empty(n) for r, n in enumerate(sizes)]
+            others = [n for r, n in enumerate(sizes) if r != rank]
+            rows = list(mine.new_empty(sum(others)).split(others))  # one allocation
+            rows.insert(rank, mine)
             return _exchange([mine] * world, rows, group, _tag(channel, 0)), None, rows
         widest = max(sizes)
         send = mine if mine.numel() == widest else torch.cat([mine, mine.new_zeros(widest - mine.numel())])
@@ -317,10 +319,8 @@ def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     if _on_gloo(group):
         # ``out`` is an allocation of its own: the gradient shards are views of it and keep it
         out = torch.empty(sizes[rank], dtype=dtype, device=device)
-        if len(set(sizes)) == 1:  # the rows it sends: one allocation
-            rows = list(torch.empty(world - 1, sizes[0], dtype=dtype, device=device).unbind(0))
-        else:
-            rows = [torch.empty(n, dtype=dtype, device=device) for r, n in enumerate(sizes) if r != rank]
+        others = [n for r, n in enumerate(sizes) if r != rank]
+        rows = list(torch.empty(sum(others), dtype=dtype, device=device).split(others))  # the rows it sends
         rows.insert(rank, out)
         return ScatterRows(rows, out, None)
     widest = max(sizes)  # NCCL: equal rows, padded to the largest (the padding's sums are unused)
