@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import groups
 from ..collectives import step_check_nbytes
 from . import charts
+from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
     "floor",
@@ -67,13 +68,26 @@ HYBRID_SYSTEMS = (
     "fsdp2/hybrid_shard_grad_op",
     "shardwise/hybrid_shard_grad_op",
 )
-KNOWN = SYSTEMS + HYBRID_SYSTEMS
+# shardwise with its blocks' matrices owned whole (placement=shardwise.placement.matrices)
+OWNED_SYSTEMS = ("shardwise/full_shard+owned", "shardwise/hybrid_shard+owned")
+# --optimizer muon: Muon on the blocks' matrices (owned; FSDP2's DTensors), and rows + AdamW
+MUON_SYSTEMS = ("fsdp2/full_shard", "shardwise/full_shard+owned", "shardwise/full_shard")
+KNOWN = SYSTEMS + HYBRID_SYSTEMS + OWNED_SYSTEMS
 STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_grad_op")
+
+
+def strategy_of(system: str) -> str:
+    """The sharding strategy of a system's name ("shardwise/full_shard+owned": full_shard)."""
+    return system.partition("/")[2].partition("+")[0]
+
+
+def is_hybrid(system: str) -> bool:
+    return strategy_of(system).startswith("hybrid")
 
 
 def systems_for(strategy: str) -> tuple[str, ...]:
     """The systems that ``--strategy`` compares: the floor, DDP, and both FSDPs under it."""
-    return ("floor", "ddp", *(s for s in KNOWN if s.partition("/")[2] == strategy))
+    return ("floor", "ddp", *(s for s in SYSTEMS + HYBRID_SYSTEMS if strategy_of(s) == strategy))
 
 
 MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
@@ -104,6 +118,7 @@ class BenchConfig:
     threads: int = 1  # intra-op threads per rank (OMP_NUM_THREADS)
     out: str = "bench-out"  # directory for bench.json, bench.md and bench.png
     quiet: float = 0.10  # redo a visit if other processes took more of the CPU (1: never)
+    optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' matrices: bench_optim.py)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -116,6 +131,8 @@ class BenchConfig:
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: use none or bf16")
         if self.vocab_size < 256:
             raise ValueError(f"vocab_size={self.vocab_size}: the tokens are bytes, use at least 256")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
         if self.rounds < 1 or self.steps < 1 or self.warmup < 1:
             raise ValueError("rounds, steps and warmup must each be at least 1")
 
@@ -158,6 +175,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument(
         "--compile", action="store_true", help="torch.compile each block of every system alike"
     )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d.optimizer,
+        help="muon: Muon on the blocks' matrices, AdamW on the rest (shardwise owned, FSDP2), "
+        "against shardwise rows + AdamW (the default systems then)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
     p.add_argument("--out", default=d.out, help="output directory")
@@ -177,7 +201,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     elif a["systems"] is not None:
         a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
     else:
-        a["systems"] = d.systems
+        a["systems"] = MUON_SYSTEMS if a["optimizer"] == "muon" else d.systems
     return BenchConfig(**a)
 
 
@@ -270,9 +294,9 @@ def device_meshes(cfg: BenchConfig, device: torch.device) -> dict[int, object]:
 
     world = dist.get_world_size()
     meshes: dict[int, object] = {}
-    if any(s.startswith("fsdp2/") and s not in HYBRID_SYSTEMS for s in cfg.systems):
+    if any(s.startswith("fsdp2/") and not is_hybrid(s) for s in cfg.systems):
         meshes[1] = init_device_mesh(device.type, (world,))
-    if any(s in HYBRID_SYSTEMS for s in cfg.systems):
+    if any(is_hybrid(s) for s in cfg.systems):
         size = cfg.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % size:
             raise ValueError(f"--shard-size {size} does not divide the {world} ranks")
@@ -281,16 +305,16 @@ def device_meshes(cfg: BenchConfig, device: torch.device) -> dict[int, object]:
 
 
 def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes: dict):
-    """A fresh model of system ``name`` from the seed, its AdamW, and the forward's context
-    (``meshes``: from ``device_meshes``)."""
-    from .. import api, wrap
+    """A fresh model of system ``name`` from the seed, its optimizers (``bench_optim``), and the
+    forward's context (``meshes``: from ``device_meshes``)."""
+    from .. import api, placement, wrap
 
     torch.manual_seed(cfg.seed)
     model = work.build().to(device)
     bf16 = cfg.mixed_precision == "bf16"
     autocast = contextlib.nullcontext
-    kind, _, strategy = name.partition("/")
-    hybrid = name in HYBRID_SYSTEMS
+    kind, strategy = name.partition("/")[0], strategy_of(name)
+    hybrid = is_hybrid(name)
     mesh = meshes.get(2 if hybrid else 1)
     if kind == "shardwise":
         api.shard(
@@ -299,6 +323,7 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
             strategy=strategy,
             mesh=mesh if hybrid else None,  # the same 2-D mesh as FSDP2's HSDP
             mixed_precision="bf16" if bf16 else None,
+            placement=placement.matrices if name.endswith("+owned") else None,
         )
     elif kind == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -327,8 +352,7 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
         def autocast():
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, opt, autocast
+    return model, make_optimizers(name, model, work.block, cfg.optimizer), autocast
 
 
 def _compile_blocks(model: nn.Module, block: type[nn.Module]) -> None:
@@ -340,13 +364,18 @@ def _compile_blocks(model: nn.Module, block: type[nn.Module]) -> None:
             m.compile()
 
 
-def train_step(model, opt, autocast, work: Workload, x, y) -> torch.Tensor:
+def train_step(model, opts: list, autocast, work: Workload, x, y) -> tuple[torch.Tensor, float]:
+    """One step; returns the loss and the seconds its optimizers' steps took."""
     with autocast():
         loss = work.loss(model, x, y)
     loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    _sync(loss.device)
+    t0 = time.perf_counter()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync(loss.device)
+    return loss.detach(), time.perf_counter() - t0
 
 
 def _sync(device: torch.device) -> None:
@@ -388,6 +417,10 @@ def run_rank(cfg: BenchConfig) -> dict:
                 )
     for name in cfg.systems:
         out[name].update(counted_visit(name, cfg, work, device, meshes))
+        if cfg.optimizer == "muon":
+            out[name]["max_diff"] = exact_visit(
+                name, lambda n: build_system(n, cfg, work, device, meshes), train_step, work, cfg.optimizer, cfg.seed
+            )
         if rank == 0:
             print(f"counted {name}", file=sys.stderr, flush=True)
     everyone = [None] * world
@@ -410,28 +443,29 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
     threads, Gloo's included) and the whole machine's busy CPU seconds (Linux)."""
     from ..collectives import comm_stats, reset_comm_stats
 
-    model, opt, autocast = build_system(name, cfg, work, device, meshes)
+    model, opts, autocast = build_system(name, cfg, work, device, meshes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    visit = {"times": [], "own_cpu": [], "busy": [], "first_loss": None}
+    visit = {"times": [], "opt_times": [], "own_cpu": [], "busy": [], "first_loss": None}
     for i, (x, y) in enumerate(work.batches):
         if i == cfg.warmup:
             reset_comm_stats()
         dist.barrier()
         busy0, cpu0 = _machine_busy_s(), time.process_time()
         t0 = time.perf_counter()
-        loss = train_step(model, opt, autocast, work, x, y)
+        loss, opt_s = train_step(model, opts, autocast, work, x, y)
         _sync(device)
         dt = time.perf_counter() - t0
         if i == 0:
             visit["first_loss"] = loss.item()
         if i >= cfg.warmup:
             visit["times"].append(dt)
+            visit["opt_times"].append(opt_s)
             visit["own_cpu"].append(time.process_time() - cpu0)
             visit["busy"].append(_machine_busy_s() - busy0)
     visit["wait_s"] = sum(s.wait_seconds for s in comm_stats(reset=True).values())
     visit["peak_cuda"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    del model, opt, autocast, loss
+    del model, opts, autocast, loss
     gc.collect()  # the system's reference cycles too: the next visit starts clean
     return visit
 
@@ -555,17 +589,17 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     on CPU, one under ``MemTracker`` (both slow every op down, so no timed step runs under them)."""
     from ..collectives import comm_stats, reset_comm_stats
 
-    model, opt, autocast = build_system(name, cfg, work, device, meshes)
+    model, opts, autocast = build_system(name, cfg, work, device, meshes)
     ddp = _ddp_buckets(model) if device.type == "cpu" else None
     for x, y in work.batches[: cfg.warmup]:
-        train_step(model, opt, autocast, work, x, y)
+        train_step(model, opts, autocast, work, x, y)
     x, y = work.batches[-1]
     reset_comm_stats()
     counter = CommCounter(dist.get_world_size())
     if ddp is not None:
         ddp.clear()  # the buckets as this step uses them (DDP rebuilds them after its first)
     with counter:
-        train_step(model, opt, autocast, work, x, y)
+        train_step(model, opts, autocast, work, x, y)
     own = {k: v.bytes for k, v in comm_stats(reset=True).items() if v.bytes}
     counted = dict(counter.bytes)
     if name.startswith("shardwise") and "send" not in counted:
@@ -579,9 +613,9 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     }
     if device.type == "cpu":
         res["peak_tracker"] = _tracked_peak(
-            model, opt, _kept_buckets(model, ddp), autocast, work, x, y
+            model, opts, _kept_buckets(model, ddp), autocast, work, x, y
         )
-    del model, opt, autocast, ddp
+    del model, opts, autocast, ddp
     gc.collect()
     return res
 
@@ -617,17 +651,17 @@ def _kept_buckets(model: nn.Module, ddp: dict[int, torch.Tensor] | None) -> list
     return kept_buckets(model)
 
 
-def _tracked_peak(model, opt, kept: list[torch.Tensor], autocast, work: Workload, x, y) -> dict:
+def _tracked_peak(model, opts: list, kept: list[torch.Tensor], autocast, work: Workload, x, y) -> dict:
     """Peak bytes of one step under torch's MemTracker, and its breakdown at the peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(model, opt, *kept)
+    tracker.track_external(model, *opts, *kept)
     with tracker, warnings.catch_warnings():
         # its post-accumulate-grad hook finds .grad already moved on by shardwise's reduce;
         # the gradient itself was tracked by its tensor hook, which ran first
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
-        train_step(model, opt, autocast, work, x, y)
+        train_step(model, opts, autocast, work, x, y)
     snap = tracker.get_tracker_snapshot("peak")
     dev = next((d for d in snap if d.type != "meta"), None)
     if dev is None:
@@ -656,8 +690,8 @@ def _theory(
     numbers."""
     if system == "floor":
         return 0
-    strategy = system.partition("/")[2]
-    r, s = mesh if system in HYBRID_SYSTEMS else (1, world)
+    strategy = strategy_of(system)
+    r, s = mesh if is_hybrid(system) else (1, world)
     if strategy in ("full_shard", "hybrid_shard"):
         gathered = (2 * psi - root) * b_gather + psi * b_reduce
     elif strategy in ("shard_grad_op", "hybrid_shard_grad_op"):
@@ -722,13 +756,18 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
                 results.get("mesh"),
             ),
             "wait_ms_per_step": 1e3 * sum(v[0]["wait_s"] for v in kept) / len(steps),
+            # the slowest rank's optimizer steps (an owner orthogonalizes its matrices alone)
+            "opt_ms": 1e3 * statistics.median(max(ts) for v in kept for ts in zip(*(r["opt_times"] for r in v))),
+            "max_diff": ranks[0][name].get("max_diff"),
             "first_losses": [[v["first_loss"] for v in p["visits"]] for p in per_rank],
             "unknown_collectives": ranks[0][name]["unknown_collectives"],
         }
     for name, row in rows.items():
-        kind, _, strategy = name.partition("/")
+        kind, strategy = name.partition("/")[0], strategy_of(name)
         row["x_floor"] = _ratio(row, rows.get("floor"))
-        row["x_fsdp2"] = _ratio(row, rows.get(f"fsdp2/{strategy}")) if kind == "shardwise" else None
+        fsdp2 = rows.get(f"fsdp2/{strategy}")
+        row["x_fsdp2"] = _ratio(row, fsdp2) if kind == "shardwise" else None
+        row["opt_x_fsdp2"] = row["opt_ms"] / fsdp2["opt_ms"] if kind == "shardwise" and fsdp2 else None
         row["x_ddp"] = _ratio(row, rows.get("ddp")) if kind == "shardwise" else None
     return {
         "config": asdict(cfg),
@@ -791,6 +830,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def render_markdown(summary: dict) -> str:
     """The results table (and how it was made) as markdown."""
     c = summary["config"]
+    muon = c.get("optimizer") == "muon"
     lines = [
         f"{summary['machine']}; {summary['world_size']} ranks"
         + (
@@ -808,8 +848,9 @@ def render_markdown(summary: dict) -> str:
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",
         "",
-        f"| system | median ms | p25-p75 ms | visits | {'rows' if c['model'] == 'mlp' else 'tokens'}/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| system | median ms | p25-p75 ms | visits | {'rows' if c['model'] == 'mlp' else 'tokens'}/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |"
+        + (" optimizer | opt ms | opt x FSDP2 | matrices' max abs diff vs 1 process |" if muon else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|---:|---:|---:|" if muon else ""),
     ]
     for name, r in summary["systems"].items():
         lines.append(
@@ -817,6 +858,12 @@ def render_markdown(summary: dict) -> str:
             f"{r['visits_kept']}/{len(r['others_load'])} | {r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**20:.1f} | "
             f"{r['bytes_per_step'] / 2**20:.2f} | {r['theory_bytes'] / 2**20:.2f} | "
             f"{_fmt(r['x_floor'], '.2f')} | {_fmt(r['x_fsdp2'], '.2f')} | {_fmt(r['x_ddp'], '.2f')} |"
+            + (
+                f" {'Muon + AdamW' if whole_matrix(name, 'muon') else 'AdamW'} | {r['opt_ms']:.1f} | "
+                f"{_fmt(r['opt_x_fsdp2'], '.2f')} | {_fmt(r['max_diff'], '.1e')} |"
+                if muon
+                else ""
+            )
         )
     lc = summary["loss_check"]
     load = [f for r in summary["systems"].values() for f in r["others_load"]]
@@ -839,6 +886,15 @@ def render_markdown(summary: dict) -> str:
             f"{lc['worst_rel_diff']:.1e}, tolerance {lc['tolerance']:.0e})."
         ),
     ]
+    if muon:
+        lines.append(
+            "Optimizer: Muon (torch.optim.Muon, lr 2e-2) on the blocks' matrices and AdamW on the "
+            "rest; shardwise in rows keeps AdamW everywhere (Muon on row slices is refused). 'opt "
+            "ms': the slowest rank's optimizer steps. 'max abs diff': the largest parameter "
+            "difference after all the visit's steps from one process training the same "
+            "optimizers on the global batches, with Muon's Newton–Schulz in fp32 in both (in "
+            "bf16, rounding flips make every data-parallel run drift ~1e-3)."
+        )
     return "\n".join(lines)
 
 

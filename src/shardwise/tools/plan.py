@@ -34,10 +34,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import groups
+from .. import placement as placements
 from ..api import shard
 from ..checkpointing import checkpoint_activations
 from ..errors import ShardwiseError
 from ..policies import MixedPrecision
+from ..placement import Placement
 from ..scaler import GradScaler
 from ..wrap import Policy
 from .trace import _FakeAllocations, trace, when
@@ -55,6 +57,7 @@ class UnitRow:
     params: int  # parameter elements, without padding
     shard_bytes: int
     gathered_bytes: int  # its full parameters in the compute dtype while gathered
+    owned: tuple[tuple[str, int, int], ...] = ()  # (parameter, owner rank, bytes): owned placement
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class _Job:
     checkpointing: Policy | None
     max_unsharded: int
     shard_size: int | None  # hybrid strategies' shard groups
+    placement: Placement | None = None
 
 
 def _no_values(module: nn.Module) -> None:
@@ -197,6 +201,7 @@ def _run(job: _Job, strategy: str, wrap: Policy | None, checkpointing: bool, off
                 cpu_offload=offload,
                 max_unsharded=job.max_unsharded,
                 init=_no_values,
+                placement=job.placement,
                 **({"shard_size": job.shard_size} if strategy in HYBRID else {}),
             )
         finally:
@@ -263,7 +268,7 @@ def _estimate(
         cpu_offload=offload,
         activation_checkpointing=checkpointing,
         units=tuple(
-            UnitRow(u["name"], u["params"], u["shard_bytes"], u["gathered_bytes"])
+            UnitRow(u["name"], u["params"], u["shard_bytes"], u["gathered_bytes"], tuple(map(tuple, u.get("owned", ()))))
             for u in data["units"]
         ),
         param_shards=rows[after_backward]["param_shards"],
@@ -313,6 +318,7 @@ def plan(
     shard_size: int | None = None,
     backend: str | None = None,
     budget: int | str | None = None,
+    placement: Placement | None = None,
 ) -> Plan:
     """Predict each rank's memory and traffic for a training step by running shardwise's
     runtime on fake tensors in a fake world of ``world_size`` ranks (see the module doc).
@@ -321,7 +327,8 @@ def plan(
     builds one (called under ``torch.device("meta")``). strategy: one, several, or None for
     full_shard, shard_grad_op and no_shard side by side (no_shard is DDP's layout); the hybrid
     strategies when named, over shard groups of ``shard_size`` ranks. wrap, mixed_precision,
-    cpu_offload and max_unsharded mean what they mean for ``shard()``; activation_checkpointing is the policy
+    cpu_offload, max_unsharded and placement mean what they mean for ``shard()`` (the plan
+    shows which rank owns each owned parameter; its figures are rank 0's); activation_checkpointing is the policy
     ``checkpoint_activations`` would get. The micro-batch is ``inputs()``, positional
     arguments, or by default token ids of ``batch_size`` x ``seq_len`` (default:
     ``model.cfg.seq_len``) passed as ``model(idx, targets)``. The step's loss is
@@ -404,6 +411,7 @@ def plan(
         checkpointing=ckpt_policy,
         max_unsharded=max_unsharded,
         shard_size=shard_size,
+        placement=placement,
     )
     if budget is None:  # DDP, for comparison, holds everything on the device
         configs = [
@@ -603,13 +611,32 @@ def render(p: Plan) -> str:
         lines.append("")
     if any(c.wrap == "none" or c.activation_checkpointing or c.cpu_offload for c in cols):
         lines.append("columns: +root = no wrap (one unit), +ac = checkpointing, +off = cpu offload")
-    if e0.world_size > 1:
+    owned = _owned_by_rank(e0)
+    if owned:
+        lines.append(
+            "owned parameters, whole on one rank each (figures above: rank 0's): "
+            + ", ".join(f"rank {r} {n} ({_fmt(b)})" for r, (n, b) in sorted(owned.items()))
+        )
+        for u in e0.units:
+            if u.owned:
+                lines.append(f"  {u.name}: " + ", ".join(f"{name} -> {r}" for name, r, _ in u.owned))
+    elif e0.world_size > 1:
         lines.append(
             "ranks hold equal padded buffers; rank 0 the most optimizer state (most rows)."
         )
     if p.budget is not None:
         lines.append(f"budget {_fmt(p.budget)}: " + ("choose " if p.choice else "") + p.reason)
     return "\n".join(lines)
+
+
+def _owned_by_rank(e: Estimate) -> dict[int, tuple[int, int]]:
+    """Per owner rank: how many parameters it owns and their bytes."""
+    out: dict[int, tuple[int, int]] = {}
+    for u in e.units:
+        for _, r, b in u.owned:
+            n, total = out.get(r, (0, 0))
+            out[r] = (n + 1, total + b)
+    return out
 
 
 def _short(e: Estimate) -> str:
@@ -664,6 +691,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the run's collectives (default: nccl where CUDA is available, else gloo)",
     )
     ap.add_argument(
+        "--placement",
+        choices=("rows", "matrices"),
+        default="rows",
+        help="matrices: the blocks' matrices owned whole by one rank each (for Muon)",
+    )
+    ap.add_argument(
         "--budget",
         help="device memory per rank, e.g. 24GiB: pick the cheapest configuration that fits",
     )
@@ -683,5 +716,6 @@ def main(argv: list[str] | None = None) -> None:
         shard_size=a.shard_size,
         backend=a.backend,
         budget=a.budget,
+        placement=placements.matrices if a.placement == "matrices" else None,
     )
     print(f"GPT {a.model_size}: " + str(result))

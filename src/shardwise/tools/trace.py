@@ -665,6 +665,9 @@ def _unit_info(u: Unit) -> dict:
             "trained": u.num_trainable,
             "shard_bytes": u.flat_shard.numel() * u.flat_shard.element_size(),
             "gathered_bytes": u.layout.unsharded_numel * item,
+            "owned": [
+                [s.name, s.owner, s.numel * u.flat_shard.element_size()] for s in u.layout.slots if s.owned
+            ],
         }
     numel = sum(p.numel() for p in u.params)
     return {
