@@ -202,21 +202,21 @@ def fake_world(world_size: int, backend: str) -> Iterator[None]:
 # group (as the runtime, the tracer and the hybrid mesh expect: they use the world) inside a
 # training run that has its own; nothing of the run's is touched. Three things live outside
 # that object and are put back: the C++ registry of groups by name (the fake groups take names
-# the run's groups cannot have, numbers past the run's count, and are unregistered after; not
+# no group of the run has, numbers from the run's count on, and are unregistered after; not
 # destroy_process_group(), which empties the registry), the C++ global rank, and what
 # init_process_group sets on the module and in sys.excepthook. Other threads see the fake world
-# while it stands: plan() is not for the middle of a step whose collectives are in flight.
+# while it stands: plan() is not for the middle of a step whose collectives are in flight, nor
+# for while a background checkpoint save is under way (wait for its handle first).
 class _PrivateWorld(c10d._World):
-    """A ``_World`` whose maps are its own (torch's read module globals shared by every world),
-    naming its groups by numbers from ``first_name`` on."""
+    """A ``_World`` whose maps and group count are its own (torch's own ``_World`` keeps them in
+    module globals, which every instance would share), naming its groups by numbers from
+    ``first_name`` on."""
 
     def __init__(self, first_name: int):
         super().__init__()
         self._count = first_name
-        self._maps: dict[str, dict] = {
-            k: {}
-            for k in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
-        }
+        names = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
+        self._maps: dict[str, dict] = {k: {} for k in names}
 
     pg_map = property(lambda self: self._maps["pg_map"])
     pg_names = property(lambda self: self._maps["pg_names"])
@@ -239,7 +239,8 @@ def _world_swapped() -> Iterator[None]:
     """Inside, torch.distributed sees an empty world of its own (Note [a world beside the real
     one]); afterwards the process's own, as it was."""
     real = c10d._world
-    module_state = {k: getattr(c10d, k) for k in ("_default_pg_init_method", "_backend") if hasattr(c10d, k)}
+    globals_set = ("_default_pg_init_method", "_backend")  # by init_process_group
+    module_state = {k: getattr(c10d, k) for k in globals_set if hasattr(c10d, k)}
     hook = sys.excepthook
     c10d._world = private = _PrivateWorld(first_name=real.group_count)
     try:

@@ -77,7 +77,7 @@ class Estimate:
     comm: dict[str, int] = field(default_factory=dict)  # bytes sent per step, by collective
     # peaks by stage: "shard" (shard() itself, host and device) and "after_shard" (what it
     # leaves), then on the device "forward", "backward" (the loss included) and "optimizer"
-    # (the host's, with cpu_offload)
+    # (the host's, with cpu_offload on a GPU)
     phases: dict[str, int] = field(default_factory=dict)
 
     @property
