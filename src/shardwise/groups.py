@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from .errors import ShardwiseError
 
@@ -77,9 +79,13 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     key = group if group is not None else dist.group.WORLD
     if key not in _host_groups:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        backend = "fake" if dist.get_backend() == "fake" else "gloo"
+        fake = dist.get_backend() == "fake"
         _host_groups[key] = dist.new_group(
-            ranks, backend=backend, timeout=timedelta(seconds=timeout_s()), use_local_synchronization=ranks is not None
+            ranks,
+            backend="fake" if fake else "gloo",
+            timeout=timedelta(seconds=timeout_s()),
+            # (a name from the ranks could be a real group's: Note [a world beside the real one])
+            use_local_synchronization=ranks is not None and not fake,
         )
     return _host_groups[key]
 
@@ -170,24 +176,83 @@ def fake_world(world_size: int, backend: str) -> Iterator[None]:
     """A world of ``world_size`` ranks inside this process, which is rank 0, over torch's
     "fake" process group (nothing is sent; torchtitan estimates memory the same way): the
     planner runs the real runtime in it on fake tensors. Its collectives take ``backend``'s
-    paths and count apart from this process's (Note [fake world] in collectives.py). It is the
-    default group, so the process must have none yet; the groups made in it go with it."""
-    if dist.is_initialized():
-        raise RuntimeError("a fake world needs a process without a default process group")
+    paths and count apart from this process's (Note [fake world] in collectives.py). It stands
+    in for this process's own world, if any, which is as it was afterwards (Note [a world
+    beside the real one]); the groups made in it go with it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
     from . import collectives  # (collectives imports flight, which imports this module)
 
     saved = dict(_host_groups), dict(_meshes)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    with _world_swapped():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            with collectives.standing_in(backend):
+                yield
+        finally:
+            for cache, before in zip((_host_groups, _meshes), saved):
+                cache.clear()
+                cache.update(before)
+
+
+# Note [a world beside the real one]: torch.distributed keeps its groups in one object,
+# distributed_c10d._world, which torch names an extension point to override and replaces itself
+# for its multi-threaded test groups (testing/_internal/distributed/multi_threaded_pg.py). The
+# fake world is made in an empty one swapped in for the duration, so it can be the default
+# group (as the runtime, the tracer and the hybrid mesh expect: they use the world) inside a
+# training run that has its own; nothing of the run's is touched. Three things live outside
+# that object and are put back: the C++ registry of groups by name (the fake groups take names
+# no group of the run has, numbers from the run's count on, and are unregistered after; not
+# destroy_process_group(), which empties the registry), the C++ global rank, and what
+# init_process_group sets on the module and in sys.excepthook. Other threads see the fake world
+# while it stands: plan() is not for the middle of a step whose collectives are in flight, nor
+# for while a background checkpoint save is under way (wait for its handle first).
+class _PrivateWorld(c10d._World):
+    """A ``_World`` whose maps and group count are its own (torch's own ``_World`` keeps them in
+    module globals, which every instance would share), naming its groups by numbers from
+    ``first_name`` on."""
+
+    def __init__(self, first_name: int):
+        super().__init__()
+        self._count = first_name
+        names = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "tags_to_pg", "pg_to_tag")
+        self._maps: dict[str, dict] = {k: {} for k in names}
+
+    pg_map = property(lambda self: self._maps["pg_map"])
+    pg_names = property(lambda self: self._maps["pg_names"])
+    pg_group_ranks = property(lambda self: self._maps["pg_group_ranks"])
+    pg_backend_config = property(lambda self: self._maps["pg_backend_config"])
+    tags_to_pg = property(lambda self: self._maps["tags_to_pg"])
+    pg_to_tag = property(lambda self: self._maps["pg_to_tag"])
+
+    @property
+    def group_count(self) -> int:
+        return self._count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._count = value
+
+
+@contextlib.contextmanager
+def _world_swapped() -> Iterator[None]:
+    """Inside, torch.distributed sees an empty world of its own (Note [a world beside the real
+    one]); afterwards the process's own, as it was."""
+    real = c10d._world
+    globals_set = ("_default_pg_init_method", "_backend")  # by init_process_group
+    module_state = {k: getattr(c10d, k) for k in globals_set if hasattr(c10d, k)}
+    hook = sys.excepthook
+    c10d._world = private = _PrivateWorld(first_name=real.group_count)
     try:
-        with collectives.standing_in(backend):
-            yield
+        yield
     finally:
-        dist.destroy_process_group()
-        for cache, before in zip((_host_groups, _meshes), saved):
-            cache.clear()
-            cache.update(before)
+        c10d._world = real
+        for name in private.pg_names.values():
+            c10d._unregister_process_group(name)
+        c10d._update_default_pg(real.default_pg)  # (the C++ global rank)
+        for k, v in module_state.items():
+            setattr(c10d, k, v)
+        sys.excepthook = hook
 
 
 def device() -> torch.device:

@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import pickle
+import functools
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import groups
+from .. import collectives, groups
 from .. import placement as placements
 from ..api import shard
 from ..checkpointing import checkpoint_activations
@@ -76,13 +72,15 @@ class Estimate:
     optimizer: int  # optimizer state
     gathered_peak: int  # most bytes of gathered parameters at one moment
     activations: int  # activations and temporaries of one micro-batch at their peak
-    peak: int  # the device's predicted peak
+    peak: int  # the device's predicted peak; on a CPU run, host and device (Note [one memory])
     peak_at: str  # when it happens
-    host: int  # host memory with cpu_offload (shards, gradients, state, the step's temporaries)
+    # host memory with cpu_offload (shards, gradients, state, the step's temporaries); 0 where
+    # host and device are one memory (a CPU run: ``peak`` counts both, Note [one memory])
+    host: int
     comm: dict[str, int] = field(default_factory=dict)  # bytes sent per step, by collective
     # peaks by stage: "shard" (shard() itself, host and device) and "after_shard" (what it
     # leaves), then on the device "forward", "backward" (the loss included) and "optimizer"
-    # (the host's, with cpu_offload)
+    # (the host's, with cpu_offload on a GPU)
     phases: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -115,6 +113,7 @@ class Plan:
     budget: int | None = None
     choice: Estimate | None = None
     reason: str = ""
+    one_memory: bool = False  # a CPU run: host and device are one memory (Note [one memory])
 
     def __str__(self) -> str:
         return render(self)
@@ -228,6 +227,17 @@ def _peak_and_end(entries: list[tuple[int, int, int, int]]) -> tuple[int, int]:
     return peak, total
 
 
+# Note [one memory]: under Gloo shardwise computes on the CPU, so the "device" is host memory:
+# cpu_offload moves shards, gradients and optimizer state from one part of that memory to
+# another and saves nothing (it adds the step's copies). The estimate's peak then counts all of
+# it, host and device together, and a budget never tries offload there (ONE_MEMORY says why).
+# Under NCCL they are two memories: the device peak leaves out what offload keeps on the host.
+ONE_MEMORY = (
+    "on CPU (gloo) host and device are one memory: offload moves bytes within it and saves "
+    "nothing, so the peak counts both and a budget never chooses offload"
+)
+
+
 def _estimate(
     data: dict,
     shard_bytes: tuple[int, int],
@@ -237,16 +247,19 @@ def _estimate(
     checkpointing: bool,
     offload: bool,
     precision_name: str,
+    one_memory: bool,
 ) -> Estimate:
     """The estimate read off a traced step (rank 0's record; see the module doc). With
-    cpu_offload the host holds the shards and optimizer state, and the step's gradients and
-    temporaries; the device what forward and backward add (on CPU both are one memory)."""
+    cpu_offload on a GPU the host holds the shards and optimizer state, and the step's
+    gradients and temporaries; the device what forward and backward add. On a CPU run both
+    are one memory, and the peak is all of it (Note [one memory])."""
+    split = offload and not one_memory  # host and device apart
     rank, cats = data["ranks"][0], data["categories"]
     rows = [dict(zip(cats, m[2:-1]), peak=m[-1]) for m in rank["memory"] if m[1] == "cpu"]
     labels, stages = when(rank, data["units"])
     after_backward = stages.index("optimizer") - 1  # the sample as the optimizer begins
     step = [r for r, s in zip(rows, stages) if s == "optimizer"]
-    if offload:
+    if split:
         landed = _landed(rank, data["units"])
         device = [
             r["peak"] - r["param_shards"] - r["optimizer"] - g if s in ("forward", "backward") else 0
@@ -258,7 +271,7 @@ def _estimate(
     phases = {"shard": shard_bytes[0], "after_shard": shard_bytes[1]}
     for stage in ("forward", "backward", "optimizer"):
         phases[stage] = max((d for d, s in zip(device, stages) if s == stage), default=0)
-    if offload:
+    if split:
         phases["optimizer"] = max(r["peak"] for r in step)
     return Estimate(
         strategy=strategy,
@@ -278,7 +291,7 @@ def _estimate(
         activations=max(r["activations"] for r in rows),
         peak=device[top],
         peak_at=labels[top],
-        host=max(r["peak"] for r in step) if offload else 0,
+        host=max(r["peak"] for r in step) if split else 0,
         comm={k: c["bytes"] for k, c in rank["comm"].items() if k != "broadcast"},
         phases=phases,
     )
@@ -300,6 +313,36 @@ def _landed(rank: dict, units: list[dict]) -> list[int]:
 
 
 # --- the public function
+def _one_plan_for_all(plan_here: Callable[..., Plan]) -> Callable[..., Plan]:
+    """``plan_here`` as every rank of a run should call it: inside a run of several ranks
+    (torchrun, after ``init()``) rank 0 plans and every rank returns its plan, or raises its
+    error, so that all of them shard alike whatever their inputs; elsewhere (one rank, no
+    process group yet) this process plans alone."""
+
+    @functools.wraps(plan_here)
+    def plan(*args, **kwargs) -> Plan:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return plan_here(*args, **kwargs)
+        box: list = [None]
+        failure = None
+        if dist.get_rank() == 0:
+            try:
+                box[0] = (True, plan_here(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001 (every rank raises it, below)
+                failure = exc
+                box[0] = (False, f"{type(exc).__name__}: {exc}")
+        collectives.blocking("broadcast", "plan", dist.broadcast_object_list, box, src=0)
+        ok, value = box[0]
+        if failure is not None:
+            raise failure
+        if not ok:
+            raise ShardwiseError(f"plan() failed on rank 0, which plans for every rank: {value}")
+        return value
+
+    return plan
+
+
+@_one_plan_for_all
 def plan(
     model: nn.Module | Callable[[], nn.Module],
     *,
@@ -341,17 +384,16 @@ def plan(
 
     budget: bytes or a string such as "24GiB": the configurations tried are every strategy,
     wrap None and ``wrap``, activation checkpointing off and on (with
-    ``activation_checkpointing``, else the wrap policy) and offload off and on; the choice is
-    the first whose device peak fits, in order of cost (see ``COST_ORDER``).
+    ``activation_checkpointing``, else the wrap policy) and offload off and on (on a GPU: on a
+    CPU run, host and device are one memory and offload saves nothing, Note [one memory]); the
+    choice is the first whose peak fits, in order of cost (see ``COST_ORDER``).
 
-    In a process that already has a default process group (inside a training run) the fake
-    world cannot be made, so the plan is made in a fresh process: its arguments must then
-    pickle (module-level functions, ``functools.partial``; not lambdas).
+    It plans in this process, anywhere in a script, before or after ``shardwise.init()``: the
+    fake world stands beside the run's own (Note [a world beside the real one] in groups.py),
+    so the model, ``inputs`` and ``loss`` may be anything callable here, lambdas and
+    ``__main__``'s functions included. Inside a run of several ranks it is collective: every
+    rank calls it, rank 0 plans, and every rank gets that one plan (or its error).
     """
-    if dist.is_initialized():
-        args = dict(locals())  # the arguments as given
-        del args["model"]
-        return _in_fresh_process(model, args)
     build = _meta_factory(model)
     precision = MixedPrecision.of(mixed_precision)
     precision_name = (
@@ -413,6 +455,7 @@ def plan(
         shard_size=shard_size,
         placement=placement,
     )
+    one_memory = backend == "gloo"  # shardwise computes on the CPU under Gloo
     if budget is None:  # DDP, for comparison, holds everything on the device
         configs = [
             (s, wrap, activation_checkpointing is not None, cpu_offload and s != "no_shard")
@@ -424,7 +467,7 @@ def plan(
             for s in STRATEGIES
             for w in ([None] if s == "no_shard" else dict.fromkeys([None, wrap]))
             for ckpt in ([False, True] if ckpt_policy else [False])
-            for off in ([False] if s == "no_shard" else [False, True])
+            for off in ([False] if s == "no_shard" or one_memory else [False, True])
         ]
     estimates, optimizer_name = [], ""
     with groups.fake_world(world_size, backend):
@@ -439,6 +482,7 @@ def plan(
                     checkpointing=ckpt,
                     offload=off,
                     precision_name=precision_name,
+                    one_memory=one_memory,
                 )
             )
     n_params = sum(p.numel() for p in probe.parameters())
@@ -447,50 +491,11 @@ def plan(
         f"{n_params:,} parameters, {world_size} rank{'s' * (world_size > 1)} ({backend}), "
         f"micro-batch {tokens_shown} per rank, {precision_name}, optimizer {optimizer_name}"
     )
-    result = Plan(estimates, title)
+    result = Plan(estimates, title, one_memory=one_memory)
     if budget is not None:
         result.budget = parse_bytes(budget)
         result.choice, result.reason = choose(estimates, result.budget)
     return result
-
-
-def _in_fresh_process(model, args: dict) -> Plan:
-    """``plan(model, **args)`` in a fresh Python process: the fake world is a default process
-    group, and a process has one at most (Note [fake world] in collectives.py). The child
-    sees this process's ``sys.path``, so what pickles here by reference unpickles there."""
-    try:
-        payload = pickle.dumps((model, args))
-    except Exception as exc:
-        raise ShardwiseError(
-            "plan() runs in a fresh process when this one already has a process group, so its "
-            "arguments must pickle: pass the model (or a module-level function or "
-            f"functools.partial that builds it) and module-level functions, not lambdas ({exc})"
-        ) from exc
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = "from shardwise.tools.plan import _plan_from_stdin; _plan_from_stdin()"
-    done = subprocess.run(
-        [sys.executable, "-c", code], input=payload, capture_output=True, env=env, check=False
-    )
-    if done.returncode != 0:
-        tail = done.stderr.decode(errors="replace")[-2000:]
-        raise ShardwiseError(f"planning in a fresh process failed:\n{tail}")
-    ok, value = pickle.loads(done.stdout)
-    if not ok:
-        raise value
-    return value
-
-
-def _plan_from_stdin() -> None:
-    """The fresh process's side of ``_in_fresh_process``: arguments in, (ok, plan or the
-    exception it raised) out, pickled; anything printed while planning goes to stderr."""
-    out, sys.stdout = sys.stdout.buffer, sys.stderr
-    model, args = pickle.load(sys.stdin.buffer)
-    try:
-        result = (True, plan(model, **args))
-    except Exception as exc:  # noqa: BLE001 (whatever it is, it is the caller's to see)
-        result = (False, exc)
-    out.write(pickle.dumps(result))
-    out.flush()
 
 
 def _policy_name(policy: Policy | None) -> str:
@@ -594,7 +599,7 @@ def render(p: Plan) -> str:
         ("= model state", lambda e: e.model_state),
         ("gathered at most", lambda e: e.gathered_peak),
         ("activations (peak)", lambda e: e.activations),
-        ("predicted peak (device)", lambda e: e.peak),
+        ("predicted peak " + ("(CPU)" if p.one_memory else "(device)"), lambda e: e.peak),
         ("host (cpu offload)", lambda e: e.host),
         ("sent per step: all-gather", lambda e: e.comm["all_gather"]),
         ("  reduce-scatter", lambda e: e.comm["reduce_scatter"]),
@@ -624,6 +629,8 @@ def render(p: Plan) -> str:
         lines.append(
             "ranks hold equal padded buffers; rank 0 the most optimizer state (most rows)."
         )
+    if p.one_memory and (p.budget is not None or any(c.cpu_offload for c in cols)):
+        lines.append(ONE_MEMORY + ".")
     if p.budget is not None:
         lines.append(f"budget {_fmt(p.budget)}: " + ("choose " if p.choice else "") + p.reason)
     return "\n".join(lines)
@@ -704,7 +711,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = gpt_config(a.model_size, seq_len=a.seq_len)
     wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[a.wrap]
     result = plan(
-        partial(GPT, cfg),
+        functools.partial(GPT, cfg),
         world_size=a.world_size,
         strategy=a.strategy,
         wrap=wrap,
