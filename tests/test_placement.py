@@ -422,3 +422,24 @@ def test_owned_checkpoints_resume_anywhere(pools, tmp_path, saved, loaded):
     straight = pools(n).run(checkpoint_leg, path, placement, optimizer, range(6), save_at=2, load=False)[0]
     resumed = pools(m).run(checkpoint_leg, path, placement_after, optimizer, range(3, 6), save_at=None, load=True)[0]
     assert max((straight[k] - v).abs().max().item() for k, v in resumed.items()) <= 1e-5
+
+
+# --- the planner shows who owns what, as shard() lays it out
+def real_owners():
+    model = shardwise.shard(
+        TiedTransformer(vocab=24), wrap=shardwise.wrap.by_class(Block), placement=shardwise.placement.matrices
+    )
+    return {s.name: s.owner for u in shardwise.units(model) for s in u.layout.slots if s.owned}
+
+
+def test_plan_shows_the_owners_shard_chooses(pools):
+    def inputs():
+        return (torch.zeros(2, 6, dtype=torch.long),)
+
+    p = shardwise.plan(
+        lambda: TiedTransformer(vocab=24), world_size=3, strategy="full_shard",
+        wrap=shardwise.wrap.by_class(Block), inputs=inputs, placement=shardwise.placement.matrices,
+    )
+    planned = {name: owner for u in p.estimates[0].units for name, owner, _ in u.owned}
+    assert planned == pools(3).run(real_owners)[0] and len(planned) == 12
+    assert "blocks.0.attn.qkv.weight -> 0" in str(p)
