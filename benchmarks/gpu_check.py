@@ -7,7 +7,8 @@
 In one run, sized to finish in well under 5 minutes on an H200:
 1. Parity (fp32): shardwise full_shard against the plain module on the same batches, every
    step's loss (1e-5 relative) and the final parameters, at world size 1 and, when the machine
-   has two GPUs, at world size 2 (two local ranks, NCCL; the plain module on the global batch).
+   has two GPUs, at world size 2 (two local ranks, NCCL; the plain module on the global batch);
+   each in rows and with the blocks' matrices owned (NCCL's padded ragged collectives).
 2. Speed (bf16, the ~100M GPT, 16 x 1024 tokens a step): the plain module under
    ``torch.autocast`` with fp32 parameters, shardwise full_shard (``mixed_precision="bf16"``)
    and FSDP2 full_shard (bf16 parameters, fp32 reduction), each eager and with every block
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --------------------------------------------------------------------------- systems
 def build(system: str, args, device: torch.device, *, bf16: bool = True, compiled: bool = False,
-          offload: bool = False):
+          offload: bool = False, placement=None):
     """Model, optimizer and forward context of ``system`` from seed 0 (compiled: every block)."""
     torch.manual_seed(0)
     with device:
@@ -70,7 +71,7 @@ def build(system: str, args, device: torch.device, *, bf16: bool = True, compile
     autocast = contextlib.nullcontext
     if system == "shardwise":
         shardwise.shard(model, wrap=shardwise.wrap.by_class(Block), mixed_precision="bf16" if bf16 else None,
-                        cpu_offload=offload)
+                        cpu_offload=offload, placement=placement)
     elif system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -125,9 +126,11 @@ def peak_alone(make, batches, device: torch.device) -> int:
 
 
 # --------------------------------------------------------------------------- checks
-def parity(args, device: torch.device, rank: int = 0, world: int = 1) -> dict:
-    """fp32 shardwise full_shard against the plain module on the global batch, on this rank."""
-    plain, sharded = build("plain", args, device, bf16=False), build("shardwise", args, device, bf16=False)
+def parity(args, device: torch.device, rank: int = 0, world: int = 1, placement=None) -> dict:
+    """fp32 shardwise full_shard against the plain module on the global batch, on this rank
+    (``placement``: e.g. the blocks' matrices owned, NCCL's padded gathers and reductions)."""
+    plain = build("plain", args, device, bf16=False)
+    sharded = build("shardwise", args, device, bf16=False, placement=placement)
     ref_losses, losses = [], []
     for i in range(args.parity_steps):
         x, y = (t.to(device) for t in get_batch(i, args.batch_size * world, args.seq_len))
@@ -143,13 +146,14 @@ def parity(args, device: torch.device, rank: int = 0, world: int = 1) -> dict:
     lr_bound = 2 * 3e-4 * args.parity_steps  # what Adam's sign noise on near-zero gradients can add
     tol = 1e-5 if world == 1 else 1e-4
     return {"world": world, "loss_rel": rel, "param_diff": diff, "ok": rel <= tol and diff <= lr_bound,
-            "tol": tol, "param_bound": lr_bound}
+            "tol": tol, "param_bound": lr_bound, "placement": "owned" if placement else "rows"}
 
 
-def _parity_rank(args) -> dict:
+def _parity_rank(args) -> list[dict]:
     shardwise.init()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return parity(args, shardwise.groups.device(), rank, world)
+    device = shardwise.groups.device()
+    return [parity(args, device, rank, world), parity(args, device, rank, world, shardwise.placement.matrices)]
 
 
 def speed(args, device: torch.device, batches) -> dict:
@@ -205,10 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # N=2 first, in its own processes, before this one holds device memory
-    parity2 = shardwise.groups.launch_local(2, _parity_rank, args)[0] if n_gpus >= 2 else None
+    parity2 = shardwise.groups.launch_local(2, _parity_rank, args)[0] if n_gpus >= 2 else [None]
     shardwise.init(backend="gloo" if args.device == "cpu" else None)
     device = shardwise.groups.device() if args.device == "cuda" else torch.device("cpu")
-    parity1 = parity(args, device)
+    parity1 = [parity(args, device), parity(args, device, placement=shardwise.placement.matrices)]
     n = args.warmup + args.rounds * args.steps
     batches = [tuple(t.to(device) for t in get_batch(i % 8, args.batch_size, args.seq_len)) for i in range(n)]
     sp = speed(args, device, batches)
@@ -247,12 +251,13 @@ def main(argv: list[str] | None = None) -> None:
             "check": f"losses {off['loss_rel']:.1e} from no offload (<= 2e-2)" if flag else "offload baseline",
             "ok": off["ok"] if flag else True,
         })
-    for p in (parity1, parity2):
+    for p in parity1 + parity2:
         if p is None:
             rows.append({"run": "parity N=2", "check": "skipped: one GPU", "ok": True})
             continue
         rows.append({
-            "run": f"parity N={p['world']} (shardwise vs plain)", "blocks": "eager", "precision": "fp32",
+            "run": f"parity N={p['world']} (shardwise {p['placement']} vs plain)", "blocks": "eager",
+            "precision": "fp32",
             "check": f"losses {p['loss_rel']:.1e} (<= {p['tol']:.0e}), parameters {p['param_diff']:.1e} "
                      f"(<= {p['param_bound']:.0e})",
             "ok": p["ok"],

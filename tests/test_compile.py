@@ -153,3 +153,10 @@ def test_impossible_combinations_say_what_to_do(compile_pool):
     fullgraph, compiled_autograd = compile_pool.run(compile_refusals)[0]
     assert "block.compile()" in fullgraph and "fullgraph=True" in fullgraph
     assert "compiled autograd" in compiled_autograd and "off" in compiled_autograd
+
+
+def test_compiled_blocks_with_owned_matrices_and_muon(compile_pool):
+    # owned placement gathers ragged shards around the compiled forward: Muon stays exact
+    from test_placement import check, train_whole
+
+    check(compile_pool.run(train_whole, "tied", compile_blocks=True, steps=4)[0])
