@@ -22,10 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from nets import Block, batch, local_slice, loss_of, make, train_pair, wrap_policy
 from pool import WorkerPool
+from test_streams import _Device
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import shardwise
 from shardwise import collectives
+from shardwise.streams import Streams
 
 HOWS = ["forward", "backward", "loss", "callback"]
 
@@ -98,8 +100,14 @@ def train_step(model, opt, trip, step: int, micro: int, how: str | None) -> None
     opt.zero_grad()
 
 
-def sharded(strategy: str, *, where: str = "blocks.1.ln2", checkpoint: bool = False, **options):
+def sharded(
+    strategy: str, *, where: str = "blocks.1.ln2", checkpoint: bool = False, on_streams: bool = False, **options
+):
     model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy, **options)
+    if on_streams:  # the CUDA branch, through test_streams' stand-in for torch.cuda
+        streams = Streams(torch.device("cpu"), device_module=_Device())
+        for u in shardwise.units(model):
+            u.streams = streams
     if checkpoint:
         shardwise.checkpoint_activations(model, shardwise.wrap.by_class(Block))
     return model, Tripwire(model.get_submodule(where)), torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -174,14 +182,15 @@ OPTIONS = {
     "bf16": {"mixed_precision": "bf16"},
     "offload": {"cpu_offload": True},
     "checkpointing": {"checkpoint": True},
+    "cuda_streams": {"on_streams": True},
 }
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_failed_step_is_as_if_skipped_with(pools, strategy, option):
-    if option == "offload" and strategy == "no_shard":
-        pytest.skip("offload needs a sharded strategy")
+    if option in ("offload", "cuda_streams") and strategy == "no_shard":
+        pytest.skip("no_shard has no offload and no side streams")
     atol = 3e-2 if option == "bf16" else 1e-5
     for how in ("backward", "forward"):
         check(pools(2).run(skipped_vs_failed, strategy, how, **OPTIONS[option])[0], atol=atol)

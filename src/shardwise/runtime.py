@@ -359,10 +359,10 @@ class Runtime:
     def _start_backward(self) -> None:
         """Queue the end-of-backward callback, once per backward, after clearing what a step
         that raised left behind (Note [a step that raised])."""
-        if self.callback_queued:
-            if not self.step_abandoned():
-                return
+        if self.step_abandoned():
             self.reset()
+        if self.callback_queued:
+            return
         callback = self._final_callback  # a bound method of its own, which only autograd holds
         Variable._execution_engine.queue_callback(callback)
         self._callback = weakref.ref(callback)
