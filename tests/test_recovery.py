@@ -90,12 +90,12 @@ def train_step(model, opt, trip, step: int, micro: int, how: str | None) -> None
     x, y = batch("tied", step, 2 * n * micro)
     for i, (xi, yi) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
         last = i == micro - 1
-        with contextlib.nullcontext() if last else shardwise.no_sync(model):
-            with failing(model, trip, how if last else None):
-                loss = loss_of(model, local_slice(xi), local_slice(yi))
-                if how == "loss" and last:
-                    raise Injected("loss")
-                loss.backward()
+        sync = contextlib.nullcontext() if last else shardwise.no_sync(model)
+        with sync, failing(model, trip, how if last else None):
+            loss = loss_of(model, local_slice(xi), local_slice(yi))
+            if how == "loss" and last:
+                raise Injected("loss")
+            loss.backward()
     opt.step()
     opt.zero_grad()
 
