@@ -364,7 +364,27 @@ def _state_dict_problem(sd, expected, full_shapes) -> str:
     return ""
 
 
+def reset(model: nn.Module) -> None:
+    """Discard the step in progress: wait for its collectives in flight, drop the gradients
+    not yet on the shards (those accumulated under ``no_sync`` included) and reshard every
+    unit, as shardwise does by itself at the next step after a forward or a backward that
+    raised (docs/architecture.md, "A step that raised").
+
+    Needed only where shardwise cannot tell that a step was given up: a loss that raised
+    outside the model (or a backward skipped on purpose) in the middle of a ``no_sync``
+    accumulation, with a sharded strategy or mixed precision; call it on every rank, with
+    ``optimizer.zero_grad()``, before the next step. The forward that completed cannot be
+    told from one whose backward comes later (two forwards, one loss).
+    """
+    rt = _runtime(model)
+    if rt.callback_queued and not rt.step_abandoned():  # a backward is running
+        raise ShardwiseError("reset() was called during backward; call it between steps")
+    rt.reset()
+
+
 def _require_idle(rt: Runtime, what: str) -> None:
+    if rt.step_abandoned():  # the last backward raised
+        rt.reset()
     if rt.phase is Phase.BACKWARD:
         raise ShardwiseError(f"{what}() was called during backward; call it between steps")
     rt.settle()  # a forward whose backward never came (e.g. evaluation with grad enabled)

@@ -145,6 +145,8 @@ def _issue(
     t0 = time.perf_counter()
     try:
         issued = start()
+    except torch.OutOfMemoryError:  # its buffers, not the collective: the step fails as it is
+        raise
     except Exception as exc:
         raise flight.diagnose(record, _cause(exc)) from exc
     works, finish, result = issued if isinstance(issued, tuple) else ([issued], None, None)

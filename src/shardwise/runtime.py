@@ -94,6 +94,38 @@ def _outside_graphs(fn):
     return torch.compiler.disable(fn, recursive=True, **_DISABLE_KW)
 
 
+def _in_backward() -> bool:
+    """Whether this thread is running a backward (the private call FSDP2 uses too: torch has
+    no public one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# Note [a step that raised]: an exception in forward or in backward, raised alike on every
+# rank and caught by the training loop, leaves a step half done: units gathered or gathering,
+# reductions and the step check in flight, gradients on the full parameters, this step's
+# counts. When backward raises, autograd drops the queued end-of-backward callback with it, so
+# nothing clears that state, and the next backward would not even queue its own
+# (``callback_queued`` stays set). So ``step_abandoned`` tells when the last step raised: the
+# root's forward raised (an always-called forward hook sees no output), or our callback was
+# queued and never ran and the backward that held it is over (we are outside any backward, or
+# autograd no longer holds it). Every hook that starts a step or a backward checks it first (a
+# unit's pre-forward, the pre-backward, and the gradient hooks, which are all that a plain
+# no_shard model has), and so do the functions that need a step's end (full_state_dict, ...);
+# ``reset`` then clears the step. It *waits* for the collectives in flight rather than
+# dropping them (every rank issued them alike, and unread Gloo messages would meet the next
+# step's of the same tag), discards their results and the gradients not yet on the shards
+# (no_sync's accumulation included, as the caller's zero_grad discards those on the shards),
+# and reshards every unit: the next step runs as if the failed one had not started. The step
+# check's digest keeps the failed step's collectives: every rank issued the same ones, so the
+# digests still agree; a rank that failed alone waits in a collective its peers never issue,
+# or they in one it never issues, and each ends with a CollectiveError.
+# A loss that raises outside the model, after a forward that completed, cannot be told from a
+# forward whose backward comes later (two forwards, one loss): nothing is reset. Its state is
+# harmless (units are gathered again or resharded as usual, the stale count only defers
+# reductions to the end of the next backward), except gradients accumulated under no_sync in
+# shardwise's hands (sharded units, casting no_shard units): ``shardwise.reset`` is for that.
+
+
 def _check_not_compiled_autograd() -> None:
     """Compiled autograd would trace the backward hooks that gather parameters and issue
     collectives into its graph (Note [compile]): refuse it up front."""
@@ -161,6 +193,9 @@ class Runtime:
         self.sync_grads = True
         self.phase = Phase.IDLE
         self.callback_queued = False
+        self._callback: Callable[[], Callable | None] = lambda: None  # weak: autograd holds it
+        self.agreeing: Callable[[], list[bool]] | None = None  # the step check in flight
+        self.forward_raised = False  # the root's forward raised (Note [a step that raised])
         self.forward_order: list[Unit] = []  # this iteration's order of pre-forward hooks
         self.backward_order: list[Unit] = []  # and of pre-backward hooks
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
@@ -190,6 +225,8 @@ class Runtime:
         if isinstance(unit, ShardedUnit) or unit.casts:  # plain no_shard needs none, like DDP
             m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
             m.register_forward_hook(self._make_post_forward(unit))
+            if unit.is_root:
+                m.register_forward_hook(self._note_forward_raised, always_call=True)
         trainable = [p for p in unit.full_params if p.requires_grad]
         for j, p in enumerate(trainable):
             p.register_post_accumulate_grad_hook(self._make_grad_ready(unit, j))
@@ -198,6 +235,8 @@ class Runtime:
     def _make_pre_forward(self, unit: Unit):
         @_outside_graphs
         def hook(module, args, kwargs):
+            if self.step_abandoned():
+                self.reset()
             if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing)
                 unit.wait_unshard()
                 return None
@@ -257,6 +296,12 @@ class Runtime:
 
         return hook
 
+    @_outside_graphs
+    def _note_forward_raised(self, module, args, output) -> None:
+        """Runs after the root's forward even when it raised, with ``output`` None then."""
+        if output is None:
+            self.forward_raised = True
+
     # --- prefetch
     def _prefetch(self, nxt: Unit | None) -> None:
         """Issue the gather of ``nxt`` early, within the limit on gathered units.
@@ -284,12 +329,10 @@ class Runtime:
 
     # --- backward
     def _pre_backward(self, unit: Unit) -> None:
+        self._start_backward()
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             self.backward_order = []
-        if not self.callback_queued:
-            Variable._execution_engine.queue_callback(self._final_callback)
-            self.callback_queued = True
         unit.wait_unshard()
         if events.listeners:
             events.emit("backward", unit.label, edge="begin")
@@ -305,15 +348,25 @@ class Runtime:
 
         def hook(param):
             rt, u = runtime_ref(), unit_ref()
-            if not rt.callback_queued:  # no_shard has no forward hooks that could queue it
-                Variable._execution_engine.queue_callback(rt._final_callback)
-                rt.callback_queued = True
+            rt._start_backward()  # no_shard has no forward hooks that could
             u.grads_ready += 1
             u.used[j] = True
             if rt.sync_grads and isinstance(u, ReplicatedUnit):
                 rt._reduce_in_order(ready_only=True)
 
         return hook
+
+    def _start_backward(self) -> None:
+        """Queue the end-of-backward callback, once per backward, after clearing what a step
+        that raised left behind (Note [a step that raised])."""
+        if self.step_abandoned():
+            self.reset()
+        if self.callback_queued:
+            return
+        callback = self._final_callback  # a bound method of its own, which only autograd holds
+        Variable._execution_engine.queue_callback(callback)
+        self._callback = weakref.ref(callback)
+        self.callback_queued = True
 
     def _reduce_in_order(self, *, ready_only: bool) -> None:
         """Issue replicated units' reductions in ``reduce_order`` (Note [when a unit reduces])."""
@@ -359,10 +412,11 @@ class Runtime:
             for u in self.units:  # a unit that ran reduces, whichever of its parameters got gradients
                 if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
                     self.reduce(u)
-            agreed = self._agree_used()  # issued now, read after the last reductions' waits
+            self.agreeing = self._agree_used()  # issued now, read after the last reductions' waits
             for u in self.units:
                 u.finish_reduce()
-            self._keep_used(agreed())
+            agreed, self.agreeing = self.agreeing(), None
+            self._keep_used(agreed)
             self.ran_since_sync = set()
         self.reducing = []
         self.next_in_order = 0
@@ -395,6 +449,31 @@ class Runtime:
         for u in (u for u in self.units if u.num_trainable):
             u.keep_used(anywhere[start : start + u.num_trainable])
             start += u.num_trainable
+
+    def step_abandoned(self) -> bool:
+        """Whether the root's forward raised, or the last backward did: its end-of-backward
+        callback was queued and never ran, and the backward that would have run it is over
+        (Note [a step that raised])."""
+        return self.forward_raised or (
+            self.callback_queued and (self._callback() is None or not _in_backward())
+        )
+
+    def reset(self) -> None:
+        """Clear the step that raised (Note [a step that raised]): wait for every collective in
+        flight, discard the gradients not yet on the shards and the per-step state, reshard."""
+        for u in self.units:
+            u.reset()
+        if self.agreeing is not None:
+            agreeing, self.agreeing = self.agreeing, None
+            agreeing()
+        self.reducing = []
+        self.next_in_order = 0
+        self.pending_backwards = {}
+        self.ran_since_sync = set()
+        self.backward_order = []
+        self.callback_queued = False
+        self.forward_raised = False
+        self.settle()
 
     def settle(self) -> None:
         """End the step: every unit sharded, modules holding their shards again."""

@@ -125,6 +125,14 @@ class Unit:
         """The parameters the optimizer steps that get this unit's reduced gradients."""
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Forget this step's gradient bookkeeping (after a step that raised: Note [a step
+        that raised] in runtime.py)."""
+        self.grads_ready = 0
+        self.reduce_issued = False
+        self.used = [False] * len(self.used)
+        self._fresh = []
+
     @property
     def is_root(self) -> bool:
         return self.name == ""
@@ -376,6 +384,29 @@ class ShardedUnit(Unit):
     def _grad_holders(self) -> list[nn.Parameter]:
         return [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
 
+    def reset(self) -> None:
+        """After a step that raised: wait for this unit's gather and reduction in flight (every
+        rank issued them alike), drop their results and the full parameters' gradients (the
+        failed step's, and those accumulated under no_sync), and reshard without copying out."""
+        if self._gathered is not None:
+            self.streams.compute().wait_event(self._gathered)
+        elif self._gather is not None:
+            self._gather.wait()
+        for pending in (self._reduce, self._replica):
+            if pending is not None:
+                pending.wait()
+        if self._reduced is not None:
+            self.streams.compute().wait_event(self._reduced)
+        self._send = self._gather = self._gathered = self._local_grads = None
+        self._reduce = self._replica = self._reduce_out = self._reduce_rows = self._reduced = None
+        for p in self.full_params:
+            p.grad = None
+        if self.state is not UnitState.SHARDED:
+            self._swap(self.shard_params if self.exposed else self.not_gathered)
+            self._free_full()
+            self.state = UnitState.SHARDED
+        super().reset()
+
     def _reduce_on_stream(self, s: Streams, buf: C.ScatterRows) -> None:
         """Reduce-scatter, average and bring the result to the master's dtype and memory on
         the reduce stream, after the packing on compute (Note [stream ordering])."""
@@ -570,6 +601,19 @@ class ReplicatedUnit(Unit):
 
     def _grad_holders(self) -> list[nn.Parameter]:
         return [self.params[i] for i in self.trainable]
+
+    def reset(self) -> None:
+        """After a step that raised: wait for the all-reduce in flight (every rank issued it
+        alike) and drop it; with casts, drop the compute copies' gradients and reshard. The
+        parameters' own gradients are the caller's to zero, as in one process."""
+        if self._reduce is not None:
+            self._reduce.wait()
+        self._reduce = self._bucket = None
+        if self.casts:
+            for c in self.full_params:
+                c.grad = None
+            self.reshard()
+        super().reset()
 
     def gather_full(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]
