@@ -73,9 +73,9 @@ def rank_rows(t: torch.Tensor) -> torch.Tensor:
     return t[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
-def sharded_copy(ref: nn.Module) -> nn.Module:
+def sharded_copy(ref: nn.Module, placement=None) -> nn.Module:
     model = copy.deepcopy(ref)
-    return shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+    return shardwise.shard(model, wrap=shardwise.wrap.auto(model), placement=placement)
 
 
 def train_pair(kind: str, steps: int = 4, per_rank: int = 2, lr: float = 0.2):
@@ -146,14 +146,14 @@ def generate_pair(kind: str):
     return same, signature, model.generate.__doc__ == ref.generate.__doc__
 
 
-def export_round_trip(kind: str, out: str, dtype: torch.dtype | None, max_shard_bytes: int):
+def export_round_trip(kind: str, out: str, dtype: torch.dtype | None, max_shard_bytes: int, placement=None):
     """Train the sharded model two steps, export it, and load the export unsharded on rank 0
     with transformers (and peft). Returns the files written and the checks: every tensor of
     the loaded model equals the sharded model's (cast to ``dtype``) bit for bit, and no unit's
     full parameters were still held when the next unit was gathered."""
     import transformers as tf
 
-    model = sharded_copy(build(kind))
+    model = sharded_copy(build(kind), placement=placement)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2)
     for step in range(2):
         loss_of(model, rank_rows(tokens(step, 2 * dist.get_world_size()))).backward()

@@ -43,12 +43,13 @@ def test_generate_equals_unsharded_on_every_rank(pools, kind):
 
 
 @pytest.mark.parametrize(
-    "kind, dtype, max_shard_bytes",
-    [("gpt2", None, 20_000), ("bert", None, 20_000), ("llama_tied", torch.bfloat16, 2**30),
-     ("llama_lora", None, 20_000)],
+    "kind, dtype, max_shard_bytes, placement",
+    [("gpt2", None, 20_000, None), ("bert", None, 20_000, None), ("llama_tied", torch.bfloat16, 2**30, None),
+     ("llama_lora", None, 20_000, None), ("llama", None, 20_000, shardwise.placement.matrices)],
 )
-def test_save_pretrained_round_trip_is_bitwise(pools, tmp_path, kind, dtype, max_shard_bytes):
-    names, checks = pools(2).run(export_round_trip, kind, str(tmp_path), dtype, max_shard_bytes)[0]
+def test_save_pretrained_round_trip_is_bitwise(pools, tmp_path, kind, dtype, max_shard_bytes, placement):
+    # (the last: every matrix of the decoder layers owned whole by one rank, for Muon)
+    names, checks = pools(2).run(export_round_trip, kind, str(tmp_path), dtype, max_shard_bytes, placement)[0]
     assert all(checks.values()), checks
     assert "config.json" in names and ("generation_config.json" in names) == (kind != "bert")
     if max_shard_bytes < 2**30:

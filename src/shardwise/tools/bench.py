@@ -742,7 +742,8 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "tokens_per_s": results["tokens_per_step"] / med,
             "peak_bytes": peak,
             "peak_breakdown": ranks[0][name].get("peak_tracker"),
-            "bytes_per_step": sum(ranks[0][name]["bytes"].values()),
+            # the ranks' mean: with owned parameters each rank sends the whole less its share
+            "bytes_per_step": statistics.mean(sum(r[name]["bytes"].values()) for r in ranks),
             "bytes_by_kind": ranks[0][name]["bytes"],
             "shardwise_comm_stats_bytes": ranks[0][name]["shardwise_bytes"],
             "theory_bytes": _theory(
@@ -879,7 +880,7 @@ def render_markdown(summary: dict) -> str:
         ),
         (
             f"Peak memory: {summary['memory_tool']}, per rank (largest rank). Communication: every "
-            "c10d collective counted by a dispatch mode, as bytes a ring moves per rank (on Gloo, "
+            "c10d collective counted by a dispatch mode, as bytes a ring moves per rank, the ranks' mean (on Gloo, "
             "shardwise's gathers and reduce-scatters from its own counters: they are messages "
             "posted by a thread of its own, out of the mode's sight). First-step "
             f"losses {'agree' if lc['ok'] else 'DISAGREE'} (worst relative difference "
