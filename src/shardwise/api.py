@@ -20,9 +20,9 @@ from . import collectives as C
 from . import flight, groups, streams
 from . import placement as placements
 from .build import (
+    UnitPlan,
     assign_params,
     broadcast_from_rank0,
-    UnitPlan,
     check_plans,
     fill_slot,
     first_names,

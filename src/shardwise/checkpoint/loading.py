@@ -30,7 +30,14 @@ from .. import collectives as C
 from . import files, pretrained
 from .index import CheckpointError, Index, Piece, TensorRecord, read_index
 from .saving import finish_pending
-from .state import ParamSlot, optimizer_names, optimizers, param_slots, persistent_buffers, runtime_of
+from .state import (
+    ParamSlot,
+    optimizer_names,
+    optimizers,
+    param_slots,
+    persistent_buffers,
+    runtime_of,
+)
 
 
 @dataclass(frozen=True)

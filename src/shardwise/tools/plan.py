@@ -34,8 +34,8 @@ from .. import placement as placements
 from ..api import shard
 from ..checkpointing import checkpoint_activations
 from ..errors import ShardwiseError
-from ..policies import MixedPrecision
 from ..placement import Placement
+from ..policies import MixedPrecision
 from ..scaler import GradScaler
 from ..wrap import Policy
 from .trace import _FakeAllocations, trace, when
