@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from nets import Block, MoEBlock, TiedTransformer, batch, global_mean, local_slice, loss_of, make
+from nets import Block, MoEBlock, TiedTransformer, batch, global_mean, local_slice, loss_of, make, train_pair
 
 import shardwise
 from shardwise.placement import choose_owners
@@ -73,11 +73,28 @@ class ExpertNet(nn.Module):
         return self.out(x)
 
 
+class BareNet(nn.Module):
+    """Blocks that are one matrix each: owned, the other ranks hold nothing of the unit."""
+
+    def __init__(self, d: int = 12):
+        super().__init__()
+        self.inp = nn.Linear(13, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(3))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.out(x)
+
+
 MODELS = {
     "tied": (lambda: TiedTransformer(vocab=24), Block),
     "moe": (lambda: make("moe"), MoEBlock),
     "pair": (TiedPairNet, TiedPair),
     "experts": (ExpertNet, StackedExperts),
+    "bare": (BareNet, nn.Linear),
 }
 
 
@@ -442,4 +459,23 @@ def test_plan_shows_the_owners_shard_chooses(pools):
     )
     planned = {name: owner for u in p.estimates[0].units for name, owner, _ in u.owned}
     assert planned == pools(3).run(real_owners)[0] and len(planned) == 12
+    # the bytes it predicts are the ranks' mean: (N-1)/N of every gathered and reduced element
+    units = p.estimates[0].units
+    blocks, root = sum(u.params for u in units if u.name != "<root>"), units[-1].params
+    assert p.estimates[0].comm["all_gather"] == 4 * 2 * (2 * blocks + root) // 3
+    assert p.estimates[0].comm["reduce_scatter"] == 4 * 2 * (blocks + root) // 3
     assert "blocks.0.attn.qkv.weight -> 0" in str(p)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_owned_edge_cases_train_like_one_process(pools, world_size):
+    # prime sizes, a frozen layer, a 0-dim and a 1-element parameter, a matrix with fewer rows
+    # than ranks, some ranks owning nothing of a unit: AdamW, every matrix owned
+    losses, ref_losses, diff, moved = pools(world_size).run(
+        train_pair, "mlp", "full_shard", "by_class", placement=shardwise.placement.matrices
+    )[0]
+    for a, b in zip(losses, ref_losses):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert moved > 0.05 and diff <= 1e-5
+    # units of one matrix: its owner sends it, the others send and receive empty messages
+    check(pools(world_size).run(train_whole, "bare", steps=4)[0])

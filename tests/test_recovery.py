@@ -238,7 +238,11 @@ def test_compiled_blocks(pools):
 
 # --- many failures hold no more memory
 def live_tensors() -> tuple[int, int]:
-    """Tensors alive in this process and the bytes of their distinct storages."""
+    """Tensors alive in this process and the bytes of their distinct storages (after the
+    posting thread has let go of the last messages it posted)."""
+    poster = shardwise.collectives._poster
+    if poster is not None:
+        poster.submit(int).result()
     gc.collect()
     tensors = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)]
     storages = {}
@@ -269,8 +273,11 @@ def fail_many(strategy, count=100):
 
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_a_hundred_failures_hold_no_memory(pools, strategy):
-    before, after = pools(2).run(fail_many, strategy)[0]
-    assert after == before
+    ((count, nbytes), held), ((count_after, nbytes_after), held_after) = pools(2).run(fail_many, strategy)[0]
+    assert (nbytes_after, held_after) == (nbytes, held)
+    # a leak per failure would add 100 tensors or more; a loaded machine's threads may still
+    # hold a few views of live buffers when the count is taken
+    assert count_after - count < 32
 
 
 # --- a failure on some ranks only

@@ -292,9 +292,21 @@ def _estimate(
         peak=device[top],
         peak_at=labels[top],
         host=max(r["peak"] for r in step) if split else 0,
-        comm={k: c["bytes"] for k, c in rank["comm"].items() if k != "broadcast"},
+        comm=_mean_comm(rank["comm"], data["world_size"], data["units"]),
         phases=phases,
     )
+
+
+def _mean_comm(comm: dict, world: int, units: list[dict]) -> dict[str, int]:
+    """Bytes sent per step by collective. With owned parameters a rank's gathers and
+    reductions move the whole less its own share, which differs between ranks: their mean,
+    (N-1)/N of the whole as for rows, stands for every rank."""
+    owned = any(u.get("owned") for u in units)
+    return {
+        k: c["payload_bytes"] * (world - 1) // world if owned and k in ("all_gather", "reduce_scatter") else c["bytes"]
+        for k, c in comm.items()
+        if k != "broadcast"
+    }
 
 
 def _landed(rank: dict, units: list[dict]) -> list[int]:

@@ -579,6 +579,7 @@ class Trace:
             k: {
                 "calls": v.calls - self._comm0[k].calls,
                 "bytes": v.bytes - self._comm0[k].bytes,
+                "payload_bytes": v.payload_bytes - self._comm0[k].payload_bytes,
                 "seconds": round(v.seconds - self._comm0[k].seconds, 7),
                 "wait_seconds": round(v.wait_seconds - self._comm0[k].wait_seconds, 7),
             }
