@@ -121,8 +121,10 @@ class Unit:
         if codec is None or not self.comm.error_feedback:
             return None
         kept = self.residuals.get(kind)
-        if kept is None:
+        if kept is None or kept.numel() != numel:  # (loaded for another layout: start again)
             kept = self.residuals[kind] = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        elif kept.device != like.device or kept.dtype != like.dtype:  # loaded from a checkpoint
+            kept = self.residuals[kind] = kept.to(like.device, like.dtype)
         return kept
 
     def keep_used(self, anywhere: list[bool]) -> None:
