@@ -34,10 +34,10 @@ def unavailable() -> str:
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2 (ip, tc) is not installed: apt-get install -y iproute2"
     probe = f"swP{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
     if made.returncode:
         return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return ""
 
 
@@ -91,13 +91,13 @@ def two_nodes(rate: str = "1gbit", delay: str = "1ms", burst: str = "1mb") -> It
             _ip("-n", n, "link", "set", "lo", "up")
             tc = ["ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", d]
             if netem and delay:
-                netem = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", delay], capture_output=True).returncode == 0
+                netem = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", delay], capture_output=True, check=False).returncode == 0
             parent = ["parent", "1:", "handle", "2:"] if netem and delay else ["root"]
             _run([*tc, *parent, "tbf", "rate", rate, "burst", burst, "latency", "100ms"])
         yield Link(ns, dev, addrs, rate, delay if netem else "")
     finally:
         for n in ns:  # deleting a namespace deletes its end of the pair, and so the pair
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, check=False)
 
 
 def _ip(*args: str) -> None:
@@ -105,6 +105,6 @@ def _ip(*args: str) -> None:
 
 
 def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
