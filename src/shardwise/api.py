@@ -31,7 +31,7 @@ from .build import (
     select_units,
 )
 from .errors import ShardwiseError
-from .policies import MixedPrecision, Sharding
+from .policies import Comm, MixedPrecision, Sharding
 from .runtime import Phase, Runtime
 from .unit import ReplicatedUnit, ShardedUnit, Unit, shard_param
 from .wrap import Policy
@@ -53,6 +53,7 @@ def shard(
     max_unsharded: int = 2,
     init_from: str | os.PathLike | None = None,
     placement: placements.Placement | None = None,
+    comm: Comm | str | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
 
@@ -80,6 +81,13 @@ def shard(
     Adafactor) are exact with ``shardwise.placement.matrices``. Owners are chosen largest
     first, each to the least-loaded rank of the shard group.
 
+    comm: precision on the wire: "bf16", "fp8" (e4m3) or "int8" for every gather and
+    reduction, or ``shardwise.Comm(gather=..., reduce=..., replica=..., error_feedback=...)``
+    for each apart (``replica``: hybrid sharding's all-reduce across shard groups, the link
+    between nodes). fp8 and int8 scale each block of 256 elements by its absolute maximum;
+    sums are taken in fp32; master weights and optimizer state keep their dtype. Default:
+    exact (the gather and reduction dtypes themselves).
+
     init_from: a standard safetensors model (a ``model.safetensors`` file, a Hugging Face
     index, or a directory holding either) whose values replace the initial ones, each rank
     reading only its rows (``shardwise.load_full``).
@@ -97,6 +105,7 @@ def shard(
                 "shard() before); shard() runs once per model: build a new model to shard again."
             )
     precision = MixedPrecision.of(mixed_precision)
+    wire = Comm.of(comm)
     if cpu_offload and not sharding.shard:
         raise ShardwiseError(
             "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
@@ -159,7 +168,7 @@ def shard(
                 ShardedUnit(
                     plan.module, plan.name, plan.registrations, group, lay, flat, rg,
                     device=device, precision=precision, offload=cpu_offload, streams=side_streams,
-                    replicate=layout_mesh.replicate,
+                    replicate=layout_mesh.replicate, comm=wire,
                 )
             )
         else:
@@ -169,12 +178,14 @@ def shard(
             for r in plan.registrations:
                 r.module._parameters[r.attr] = params[r.index]
             units.append(
-                ReplicatedUnit(plan.module, plan.name, plan.registrations, group, params, precision=precision)
+                ReplicatedUnit(
+                    plan.module, plan.name, plan.registrations, group, params, precision=precision, comm=wire
+                )
             )
         for r in plan.registrations:
             _retire(plan.params[r.index], r.fqn)
     module._shardwise = Runtime(
-        module, units, strategy, sharding, layout_mesh, max_unsharded, precision, groups.host_group(whole)
+        module, units, strategy, sharding, layout_mesh, max_unsharded, precision, groups.host_group(whole), wire
     )
     _install_optimizer_guard()
     if init_from is not None:

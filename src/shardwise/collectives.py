@@ -22,6 +22,19 @@ two units' collectives: with equal sizes that sums the wrong tensors silently, a
 aborts the process that receives a larger message than it expects. Reductions may also
 come in a different order on different ranks (a unit whose backward runs later on one rank).
 
+Note [wire precision]: with a codec (shardwise.quantize; the unit's ``Comm`` policy) a message
+is encoded just before it leaves and decoded just after it arrives; whatever stays on a rank is
+never encoded, except where ranks must agree. A gather hands out every rank's shard decoded,
+this rank's own too, so every rank computes on the same full parameters. A reduce-scatter
+sends each rank its encoded row and sums the decoded rows it receives into its own row in fp32
+(an all-to-all: nothing is encoded twice, as a ring would at every hop); with a residual
+(error feedback) each outgoing row first gets what encoding dropped from it last time, and
+keeps what is dropped now. An all-reduce is that reduce-scatter of its N chunks, then a gather
+of the encoded sums, decoded on every rank alike. Bytes booked are the messages' bytes, scales
+included. On Gloo the all-reduce's second half is posted by a thread of its own once the first
+is in (its peers may finish their first halves in another order); on NCCL (untested: no GPU
+here) both halves are torch's own collectives on uint8 buffers, the second issued at the wait.
+
 Note [fake world]: the planner runs the real runtime as rank 0 of N ranks in one process, on
 fake tensors over torch's "fake" process group, which sends nothing (``groups.fake_world``).
 There, ``standing_in(backend)`` makes that group take the paths of the backend the plan is
@@ -33,6 +46,7 @@ agrees at once (one process stands for every rank, and fake tensors hold no valu
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,8 +54,10 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import events, flight
+from .quantize import Codec
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -196,8 +212,12 @@ def channel() -> int:
     return _channels
 
 
+# the message kinds of a channel: a gather, a reduce-scatter, and an encoded all-reduce's two halves
+_GATHER, _REDUCE, _ALL_REDUCE_SUMS, _ALL_REDUCE_GATHER = range(4)
+
+
 def _tag(channel: int, kind: int) -> int:
-    return (2 * channel + kind) & 0x7FFFFFFF
+    return (4 * channel + kind) & 0x7FFFFFFF
 
 
 def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor | None], group, tag: int) -> list:
@@ -248,7 +268,14 @@ class _Posted:
         return self.future.done() and all(w.is_completed() for w in self.future.result())
 
 
-def all_gather(shard: torch.Tensor, group, label: str, channel: int, sizes: tuple[int, ...] | None = None) -> Pending:
+def all_gather(
+    shard: torch.Tensor,
+    group,
+    label: str,
+    channel: int,
+    sizes: tuple[int, ...] | None = None,
+    codec: Codec | None = None,
+) -> Pending:
     """Gather every rank's ``shard``, asynchronously; after ``wait()``, ``result[r]`` is rank
     r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it, don't write it).
     ``sizes[r]`` is rank r's element count where ranks hold different amounts (owned
@@ -258,11 +285,16 @@ def all_gather(shard: torch.Tensor, group, label: str, channel: int, sizes: tupl
     receive rows of their sizes (Note [Gloo gather and reduce-scatter]). Otherwise one
     all-gather into a rank-major tensor, handed out whole so that the copy-out is one kernel;
     with ragged sizes every rank's row is padded to the largest.
+
+    codec: encode the shards on the wire; every row of the result, this rank's included, is
+    then a decoded shard in ``shard``'s dtype (Note [wire precision]).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = shard.view(-1)
     sizes = sizes if sizes is not None else (mine.numel(),) * world
     gloo = _on_gloo(group)
+    if codec is not None and world > 1:
+        return _all_gather_encoded(mine, group, label, channel, sizes, codec, gloo)
     _book_ragged("all_gather", sizes, rank, shard.element_size(), padded=not gloo)
     nbytes = sum(sizes) * shard.element_size()
 
@@ -273,7 +305,7 @@ def all_gather(shard: torch.Tensor, group, label: str, channel: int, sizes: tupl
             others = [n for r, n in enumerate(sizes) if r != rank]
             rows = list(mine.new_empty(sum(others)).split(others))  # one allocation
             rows.insert(rank, mine)
-            return _exchange([mine] * world, rows, group, _tag(channel, 0)), None, rows
+            return _exchange([mine] * world, rows, group, _tag(channel, _GATHER)), None, rows
         widest = max(sizes)
         send = mine if mine.numel() == widest else torch.cat([mine, mine.new_zeros(widest - mine.numel())])
         out = mine.new_empty(world, widest)  # one rank-major tensor: its rows index by rank
@@ -331,15 +363,27 @@ def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return ScatterRows([row[:n] for row, n in zip(full.unbind(0), sizes)], out, full)
 
 
-def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending:
+def reduce_scatter(
+    buf: ScatterRows,
+    group,
+    label: str,
+    channel: int,
+    codec: Codec | None = None,
+    residual: torch.Tensor | None = None,
+) -> Pending:
     """Sum the filled ``buf.rows`` over ranks into ``buf.out``, asynchronously (the other
     rows are scratch afterwards). Where a row is a whole owned parameter's gradient, this is
     a reduce to its owner.
 
     Gloo: each row goes to its rank, the others' rows for this rank arrive in N-1 receive
     rows and are added to ``out`` at the wait. Otherwise one reduce-scatter.
+
+    codec: encode the rows on the wire; the decoded rows are summed in fp32. residual: error
+    feedback, laid out as the rows one after another (Note [wire precision]).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if codec is not None and world > 1:
+        return _reduce_scatter_encoded(buf, group, label, channel, codec, residual)
     sizes = tuple(r.numel() for r in buf.rows)
     itemsize = buf.out.element_size()
     _book_ragged("reduce_scatter", sizes, rank, itemsize, padded=buf.full is not None)
@@ -353,7 +397,7 @@ def reduce_scatter(buf: ScatterRows, group, label: str, channel: int) -> Pending
             recv = list(buf.out.new_empty(world - 1, buf.out.numel()).unbind(0))
             recv.insert(rank, None)
             held.append(recv)
-            works = _exchange(buf.rows, recv, group, _tag(channel, 1))
+            works = _exchange(buf.rows, recv, group, _tag(channel, _REDUCE))
 
             def add_received():
                 for r in range(world):
@@ -373,10 +417,20 @@ def all_reduce(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     kind: str = "all_reduce",
     numel: int | None = None,
+    codec: Codec | None = None,
+    channel: int = 0,
+    residual: torch.Tensor | None = None,
 ) -> Pending:
     """Reduce ``tensor`` in place over ranks, asynchronously (booked as ``kind``; ``numel``
-    is what the flight record notes where ranks of other groups reduce other sizes)."""
+    is what the flight record notes where ranks of other groups reduce other sizes).
+
+    codec: a sum with encoded messages on the unit's ``channel``, and error feedback in
+    ``residual`` (shaped like ``tensor``), as Note [wire precision] says.
+    """
     world = dist.get_world_size(group)
+    if codec is not None and world > 1:
+        assert op == dist.ReduceOp.SUM, f"rank {dist.get_rank()}: an encoded all-reduce sums"
+        return _all_reduce_encoded(tensor, group, label, kind, numel, codec, channel, residual)
     _book(kind, tensor.numel() * tensor.element_size(), world, factor=2)
     nbytes = tensor.numel() * tensor.element_size()
     return _issue(
@@ -393,6 +447,189 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending
     return _issue(
         "broadcast", label, nbytes, tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True)
     )
+
+
+# --- encoded collectives (Note [wire precision])
+def _all_gather_encoded(mine, group, label, channel, sizes, codec: Codec, gloo: bool) -> Pending:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lengths = tuple(codec.nbytes(n) for n in sizes)
+    _book_encoded("all_gather", lengths, rank, gloo)
+    rows: list[torch.Tensor | None] = [None] * world
+    held: list = []
+
+    def start():
+        works, received = _gather_messages(codec.encode(mine), lengths, group, _tag(channel, _GATHER), gloo, held)
+
+        def decode() -> None:
+            for r in range(world):
+                rows[r] = codec.decode(received[r], sizes[r]).to(mine.dtype)
+
+        return works, decode, rows
+
+    return _issue("all_gather", label, sum(lengths), mine, start, buffers=held, numel=max(sizes))
+
+
+def _reduce_scatter_encoded(buf: ScatterRows, group, label, channel, codec: Codec, residual) -> Pending:
+    rank = dist.get_rank(group)
+    sizes = tuple(r.numel() for r in buf.rows)
+    lengths = tuple(codec.nbytes(n) for n in sizes)
+    gloo = buf.full is None
+    _book_encoded("reduce_scatter", lengths, rank, gloo)
+    held: list = [buf.rows, buf.full]
+
+    def start():
+        messages = _encode_rows(buf.rows, rank, codec, residual)
+        works, received = _send_messages(messages, lengths, group, _tag(channel, _REDUCE), gloo, held)
+
+        def add_received() -> None:
+            _sum_into(buf.rows[rank], received, rank, codec, buf.out)
+
+        return works, add_received, None
+
+    return _issue("reduce_scatter", label, sum(lengths), buf.out, start, buffers=held, numel=max(sizes))
+
+
+def _all_reduce_encoded(tensor, group, label, kind, numel, codec: Codec, channel, residual) -> Pending:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat = tensor.view(-1)
+    per = -(-flat.numel() // world)
+    chunks = [flat[min(r * per, flat.numel()) : min((r + 1) * per, flat.numel())] for r in range(world)]
+    lengths = tuple(codec.nbytes(c.numel()) for c in chunks)
+    gloo = _on_gloo(group)
+    s = _stats[kind]  # its chunks go out encoded, and every other rank's encoded sum comes in
+    s.calls += 1
+    s.payload_bytes += sum(lengths)
+    s.bytes += 2 * (sum(lengths) - lengths[rank])
+    held: list = []
+    gathered: list = []
+
+    def gather_sums(received) -> list:
+        """After the first half: sum this rank's chunk, then send it to every rank."""
+        own = chunks[rank]
+        _sum_into(own, received, rank, codec, own)
+        works, rows = _gather_messages(
+            codec.encode(own), lengths, group, _tag(channel, _ALL_REDUCE_GATHER), gloo, held
+        )
+        gathered.extend(rows)
+        return works
+
+    def decode() -> None:
+        for c, message in zip(chunks, gathered):
+            c.copy_(codec.decode(message, c.numel()))
+
+    def start():
+        messages = _encode_rows(chunks, rank, codec, residual)
+        works, received = _send_messages(messages, lengths, group, _tag(channel, _ALL_REDUCE_SUMS), gloo, held)
+        if gloo and _stands_for is None:
+
+            def second_half() -> list:
+                for w in works:
+                    w.wait()
+                return gather_sums(received)
+
+            return [_Posted(_on_own_thread(second_half))], decode, None
+
+        def finish() -> None:  # NCCL, and the fake world: the second half is issued here
+            for w in works:
+                w.wait()
+            for w in gather_sums(received):
+                w.wait()
+            decode()
+
+        return works, finish, None
+
+    return _issue(kind, label, sum(lengths), tensor, start, buffers=held, numel=numel)
+
+
+def _encode_rows(rows: list[torch.Tensor], skip: int, codec: Codec, residual: torch.Tensor | None) -> list:
+    """The message of each row but ``rows[skip]`` (None there). With a residual (the rows'
+    error feedback, laid out as the rows one after another) a row first gets its residual
+    added (the rows are scratch), then keeps in it what encoding dropped."""
+    messages, start = [], 0
+    for r, row in enumerate(rows):
+        n = row.numel()
+        if r == skip:
+            messages.append(None)
+        elif residual is None:
+            messages.append(codec.encode(row))
+        else:
+            kept = residual[start : start + n]
+            row.add_(kept.view_as(row))
+            message = codec.encode(row)
+            torch.sub(row.view(-1), codec.decode(message, n), out=kept)
+            messages.append(message)
+        start += n
+    return messages
+
+
+def _sum_into(own: torch.Tensor, received: list, rank: int, codec: Codec, out: torch.Tensor) -> None:
+    """``out`` = ``own`` + every received message but this rank's, decoded; summed in fp32."""
+    total = own.float()  # (``own`` itself where it is fp32)
+    for r, message in enumerate(received):
+        if r != rank:
+            total.add_(codec.decode(message, own.numel()).view_as(total))
+    if total is not out:
+        out.view(-1)[: own.numel()].copy_(total.view(-1))
+
+
+def _aligned(nbytes: int) -> int:
+    """Row width of a rank-major uint8 buffer whose rows must hold fp32 scales."""
+    return -(-nbytes // 4) * 4
+
+
+def _book_encoded(kind: str, lengths: tuple[int, ...], rank: int, gloo: bool) -> None:
+    _book_ragged(kind, lengths if gloo else (_aligned(max(lengths)),) * len(lengths), rank, 1, padded=not gloo)
+
+
+def _send_messages(messages: list, lengths: tuple[int, ...], group, tag: int, gloo: bool, held: list):
+    """Send ``messages[r]`` to each other rank r, and receive each other rank's message for
+    this one (``lengths[r]``: the bytes of rank r's message, known on every rank): works, and
+    the messages received (None at this rank's place)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = next(m for m in messages if m is not None).device
+    if gloo:
+        received = [
+            None if r == rank else torch.empty(lengths[rank], dtype=torch.uint8, device=device) for r in range(world)
+        ]
+        held.append(received)
+        return _exchange(messages, received, group, tag), received
+    send = torch.zeros(world, _aligned(max(lengths)), dtype=torch.uint8, device=device)
+    for r, m in enumerate(messages):
+        if m is not None:
+            send[r, : m.numel()].copy_(m)
+    out = torch.empty_like(send)
+    held += [send, out]
+    return [dist.all_to_all_single(out, send, group=group, async_op=True)], list(out.unbind(0))
+
+
+def _gather_messages(message: torch.Tensor, lengths: tuple[int, ...], group, tag: int, gloo: bool, held: list):
+    """Send this rank's ``message`` to every other rank and receive theirs: works, and every
+    rank's message, this rank's own included."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if gloo:
+        received = [message if r == rank else message.new_empty(n) for r, n in enumerate(lengths)]
+        held.append(received)
+        return _exchange([message] * world, received, group, tag), received
+    widest = _aligned(max(lengths))
+    send = F.pad(message, (0, widest - message.numel()))
+    out = message.new_empty(world, widest)
+    held += [send, out]
+    return [_all_gather_tensor(out, send, group=group, async_op=True)], list(out.unbind(0))
+
+
+def _on_own_thread(fn: Callable[[], list]) -> Future:
+    """Run ``fn`` on a thread of its own: it waits for messages that peers may send in any
+    order relative to other units', so it cannot share a thread with another such wait."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # raised again at the collective's wait
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="shardwise-all-reduce", daemon=True).start()
+    return future
 
 
 def blocking(kind: str, label: str, fn, *args, **kwargs):

@@ -1,5 +1,5 @@
 """Policies: precision (which dtype each tensor of a unit is stored, computed, sent and reduced
-in) and sharding (what a strategy name means)."""
+in), precision on the wire (``Comm``) and sharding (what a strategy name means)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ShardwiseError
+from .quantize import FORMATS as WIRE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,60 @@ class MixedPrecision:
     @property
     def needs_loss_scaling(self) -> bool:
         return torch.float16 in (self.param_dtype, self.reduce_dtype)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Precision on the wire, per collective: what a message is encoded in just before it
+    leaves a rank and decoded from just after it arrives (shardwise.quantize). Master weights,
+    gradients as they land and optimizer state keep their dtype; sums are taken in fp32.
+
+    gather: the parameters' all-gather. Every rank, the shard's own one included, computes on
+    the decoded values, so all ranks hold identical full parameters. Weights are encoded
+    afresh from the master copy at every gather, so their rounding never accumulates.
+    reduce: the gradients' reduce-scatter (or no_shard's all-reduce): each rank sends each
+    other rank its encoded row, and each sums the decoded rows in fp32 (an all-to-all, not a
+    ring that would encode again at every hop).
+    replica: hybrid sharding's all-reduce across shard groups (the link between nodes): a
+    reduce-scatter as above, then a gather of the encoded sums.
+    Each is None (exact: the dtype itself), "bf16", "fp8" (e4m3, per-block scales) or "int8"
+    (per-block scales).
+    error_feedback: keep what encoding dropped from each gradient row this rank sent and add
+    it to the next step's row, so rounding errors are delayed rather than lost (the residual
+    is saved in checkpoints).
+    """
+
+    gather: str | None = None
+    reduce: str | None = None
+    replica: str | None = None
+    error_feedback: bool = False
+
+    def __post_init__(self):
+        for field in ("gather", "reduce", "replica"):
+            value = getattr(self, field)
+            if value is not None and value not in WIRE_FORMATS:
+                raise ShardwiseError(
+                    f"Comm({field}={value!r}): use one of {WIRE_FORMATS}, or None for exact"
+                )
+
+    @staticmethod
+    def of(spec: Comm | str | None) -> Comm:
+        """Resolve a policy or a shorthand: "bf16", "fp8" or "int8" for every collective;
+        None or "exact": no encoding."""
+        if isinstance(spec, Comm):
+            return spec
+        if spec is None or spec == "exact":
+            return Comm()
+        if spec not in WIRE_FORMATS:
+            raise ShardwiseError(
+                f"comm={spec!r}: use one of {WIRE_FORMATS}, 'exact', None or a "
+                "shardwise.Comm(gather=..., reduce=..., replica=...)"
+            )
+        return Comm(gather=spec, reduce=spec, replica=spec)
+
+    @property
+    def exact(self) -> bool:
+        return self.gather is None and self.reduce is None and self.replica is None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from . import collectives as C
 from . import events
 from .errors import ShardwiseError
 from .groups import Mesh
-from .policies import MixedPrecision, Sharding
+from .policies import Comm, MixedPrecision, Sharding
 from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
@@ -181,9 +181,11 @@ class Runtime:
         max_unsharded: int,
         precision: MixedPrecision,
         host_group,
+        comm: Comm,
     ):
         self.root = root
         self.precision = precision
+        self.comm = comm  # precision on the wire, for tools (the units apply it)
         self.grad_scaler = None  # a shardwise.GradScaler attaches itself here
         self.units = units  # innermost first, root last
         self.strategy = strategy  # its name, for tools and checkpoints

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from . import api, checkpoint, groups
 from . import collectives as C
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
-from .policies import STRATEGIES
+from .policies import STRATEGIES, WIRE_FORMATS, Comm
 from .scaler import GradScaler
 from .tools import charts, report
 from .tools.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
@@ -56,6 +56,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10  # steps between progress updates
     mixed_precision: str = "none"  # none | bf16 | fp16 (fp16 uses shardwise.GradScaler)
+    comm: str = "exact"  # precision on the wire: exact | bf16 | fp8 | int8 (every gather and reduction)
+    error_feedback: bool = False  # keep what encoding the gradients drops, for the next step
     cpu_offload: bool = False  # shards, gradients and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each transformer block after shard() (inductor)
@@ -85,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=defaults.mixed_precision)
+    p.add_argument("--comm", choices=("exact", *WIRE_FORMATS), default=defaults.comm,
+                   help="precision on the wire for every gather and reduction (shardwise.Comm)")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="with --comm: carry what encoding the gradients drops into the next step")
     p.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (after shard)")
@@ -143,6 +149,7 @@ def worker(cfg: TrainConfig) -> dict:
         shard_size=cfg.shard_size or None,
         mixed_precision=cfg.mixed_precision,
         cpu_offload=cfg.cpu_offload,
+        comm=replace(Comm.of(cfg.comm), error_feedback=cfg.error_feedback),
     )
     if cfg.activation_checkpointing:
         checkpoint_activations(model, by_class(Block))
@@ -248,6 +255,7 @@ def worker(cfg: TrainConfig) -> dict:
         "device": str(device),
         "first_loss": first_loss,
         "final_loss": loss,
+        "curve": curve,
         "rows": rows,
         "theory": theory_bytes_per_step(model, cfg.strategy),
         "tokens_per_s": tokens_per_step / (sum(step_times[warmup - start :]) / measured),
@@ -393,7 +401,7 @@ def render_summary(s: dict) -> str:
             )
     cfg = s["config"]
     lines.append(
-        f"  mixed precision {cfg['mixed_precision']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
+        f"  mixed precision {cfg['mixed_precision']}, comm {cfg['comm']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
         f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}, "
         f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )

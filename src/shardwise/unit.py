@@ -25,10 +25,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import collectives as C
-from . import events
+from . import events, quantize
 from .errors import ShardwiseError
 from .layout import Layout
-from .policies import MixedPrecision
+from .policies import Comm, MixedPrecision
 from .streams import Streams
 
 
@@ -110,6 +110,22 @@ class Unit:
         self.used: list[bool] = []
         # per trainable parameter: its .grad was None before this reduction landed
         self._fresh: list[bool] = []
+        self.comm = Comm()
+        # error feedback: per collective kind, what encoding dropped from this rank's
+        # outgoing gradient rows (Note [wire precision] in collectives.py); saved in checkpoints
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def _residual(self, kind: str, codec: quantize.Codec | None, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The flat residual of ``kind`` (``numel`` zeros at first, in ``like``'s dtype and
+        device) where this collective is encoded with error feedback; else None."""
+        if codec is None or not self.comm.error_feedback:
+            return None
+        kept = self.residuals.get(kind)
+        if kept is None or kept.numel() != numel:  # (loaded for another layout: start again)
+            kept = self.residuals[kind] = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        elif kept.device != like.device or kept.dtype != like.dtype:  # loaded from a checkpoint
+            kept = self.residuals[kind] = kept.to(like.device, like.dtype)
+        return kept
 
     def keep_used(self, anywhere: list[bool]) -> None:
         """After the reduction: a trainable parameter that got a gradient on no rank keeps the
@@ -161,12 +177,18 @@ class ShardedUnit(Unit):
         offload: bool = False,
         streams: Streams | None = None,
         replicate=None,
+        comm: Comm | None = None,
     ):
         super().__init__(module, name, registrations, group)
+        # precision on the wire; nothing leaves a rank in a group of one
+        self.comm = comm or Comm()
+        self.gather_codec = quantize.codec(self.comm.gather) if self.world > 1 else None
+        self.reduce_codec = quantize.codec(self.comm.reduce) if self.world > 1 else None
         # hybrid sharding: the same-position ranks of the other shard groups, which hold the
         # same shards; gradients are all-reduced over them after the reduce-scatter
         self.replicate = replicate
         self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
+        self.replica_codec = quantize.codec(self.comm.replica) if self.replicas > 1 else None
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
@@ -249,7 +271,7 @@ class ShardedUnit(Unit):
                 if self._direct
                 else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
             )
-            self._gather = C.all_gather(self._send, self.group, self.label, self.channel, self.layout.sizes)
+            self._gather = self._all_gather(self._send)
         self.state = UnitState.GATHERING
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
@@ -267,9 +289,15 @@ class ShardedUnit(Unit):
                 self._send = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True, copy=True)
             s.gather.wait_stream(s.copy_in)
         with s.use(s.gather):
-            self._gather = C.all_gather(self._send, self.group, self.label, self.channel, self.layout.sizes)
+            self._gather = self._all_gather(self._send)
             self._gather.wait()  # the gather stream waits for it, not the CPU
             return s.gather.record_event()
+
+    def _all_gather(self, send: torch.Tensor) -> C.Pending:
+        """The life cycle's gather, encoded on the wire as ``comm.gather`` says (state dicts'
+        ``gather_full`` stays exact). Weights are encoded afresh from the master copy at every
+        gather, so their rounding never accumulates: no error feedback is needed there."""
+        return C.all_gather(send, self.group, self.label, self.channel, self.layout.sizes, self.gather_codec)
 
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
@@ -331,10 +359,14 @@ class ShardedUnit(Unit):
         if self.streams is not None:
             self._reduce_on_stream(self.streams, buf)
         else:
-            self._reduce = C.reduce_scatter(buf, self.group, self.label, self.channel) if self.world > 1 else None
+            self._reduce = self._reduce_scatter(buf) if self.world > 1 else None
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
+
+    def _reduce_scatter(self, buf: C.ScatterRows) -> C.Pending:
+        residual = self._residual("reduce_scatter", self.reduce_codec, sum(r.numel() for r in buf.rows), buf.out)
+        return C.reduce_scatter(buf, self.group, self.label, self.channel, self.reduce_codec, residual)
 
     def advance_reduce(self) -> None:
         """Finish the reduce-scatter and, with hybrid sharding, issue the all-reduce of its
@@ -348,7 +380,9 @@ class ShardedUnit(Unit):
     def _replica_all_reduce(self, shard: torch.Tensor) -> C.Pending:
         # with owned parameters each shard position reduces its own size: records note the largest
         return C.all_reduce(
-            shard, self.replicate, self.label, kind="replica_all_reduce", numel=max(self.grad_layout.sizes)
+            shard, self.replicate, self.label, kind="replica_all_reduce", numel=max(self.grad_layout.sizes),
+            codec=self.replica_codec, channel=self.channel,
+            residual=self._residual("replica_all_reduce", self.replica_codec, shard.numel(), shard),
         )
 
     def finish_reduce(self) -> None:
@@ -414,7 +448,7 @@ class ShardedUnit(Unit):
         with s.use(s.reduce):
             if self.world > 1:
                 # the stream waits for it, not the CPU
-                C.reduce_scatter(buf, self.group, self.label, self.channel).wait()
+                self._reduce_scatter(buf).wait()
             if self.replicate is not None:
                 self._replica_all_reduce(buf.out).wait()
             self._reduce_out = self._to_master(buf.out)
@@ -493,8 +527,11 @@ class ReplicatedUnit(Unit):
         params: list[nn.Parameter],
         *,
         precision: MixedPrecision,
+        comm: Comm | None = None,
     ):
         super().__init__(module, name, registrations, group)
+        self.comm = comm or Comm()
+        self.reduce_codec = quantize.codec(self.comm.reduce) if self.world > 1 else None
         self.params = params
         storage = params[0].dtype if params else torch.float32
         self.compute_dtype = precision.compute_dtype(storage)
@@ -567,7 +604,10 @@ class ReplicatedUnit(Unit):
                 for c in compute:
                     c.grad = None
         if self.world > 1:
-            self._reduce = C.all_reduce(self._bucket, self.group, self.label)  # see Runtime.reduce
+            self._reduce = C.all_reduce(  # see Runtime.reduce
+                self._bucket, self.group, self.label, codec=self.reduce_codec, channel=self.channel,
+                residual=self._residual("all_reduce", self.reduce_codec, self._bucket.numel(), self._bucket),
+            )
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self._bucket.numel() * self._bucket.element_size())

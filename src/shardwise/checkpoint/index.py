@@ -111,7 +111,9 @@ class Index:
     tensors: dict[str, TensorRecord]
     # {"class", "param_groups": [{..., "params": [names]}], "values"}, or a list of them
     optimizer: dict | list[dict] | None
-    rng: list[dict[str, str]]  # per saving rank: {"file": name, "cpu": entry[, "cuda": entry]}
+    # per saving rank, the entries of its own state in its file: {"file": name, "cpu": entry
+    # [, "cuda": entry][, "residual.<unit>.<kind>": entry, ...]} (RNG states; error feedback)
+    rng: list[dict[str, str]]
 
     def to_bytes(self) -> bytes:
         doc = {

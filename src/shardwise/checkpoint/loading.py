@@ -177,7 +177,8 @@ def load(
     each rank reads only the rows it now owns, so host memory stays O(shard). Optimizer state
     is resharded the same way (pass the optimizers in the order they were saved, e.g. Muon's
     and AdamW's), and the param groups' hyper-parameters restored. Each rank's
-    RNG states are restored when the world size is the one saved. Any mismatch (a missing or
+    RNG states and error feedback residuals are restored when the world size is the one
+    saved (residuals start from zero otherwise: they belong to the saved rows of each rank). Any mismatch (a missing or
     extra tensor, shape, dtype, a missing, truncated or corrupt file) raises CheckpointError
     on every rank, naming the tensor and the file, before anything is changed.
     """
@@ -206,6 +207,7 @@ def load(
                     restore.append(_plan_optimizer(plan, index, opt, entry, slots, held))
             if index.world_size == world:
                 restore.append(_plan_rng(plan, index.rng[rank]))
+            restore.append(_plan_residuals(plan, index.rng[rank] if index.world_size == world else {}, rt))
         except Exception as e:  # any rank's failure must reach the others: see _agree
             plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
         _agree(plan, f"cannot load {path}", group)
@@ -404,6 +406,24 @@ def _plan_rng(plan: _Plan, entry: dict[str, str]) -> Callable[[], None]:
             torch.set_rng_state(states["cpu"])
         if "cuda" in states:
             torch.cuda.set_rng_state(states["cuda"])
+
+    return install
+
+
+def _plan_residuals(plan: _Plan, entry: dict[str, str], rt) -> Callable[[], None]:
+    """Read this rank's saved error feedback residuals; installing replaces the model's
+    (a unit without a saved one starts from zero)."""
+    saved: dict[tuple[int, str], torch.Tensor] = {}
+    keys = [k for k in entry if k.startswith("residual.")]
+    handle = plan.open(entry["file"]) if keys else None
+    if handle is not None:
+        for key in keys:
+            _, unit, kind = key.split(".", 2)
+            saved[int(unit), kind] = handle.get_tensor(entry[key])
+
+    def install() -> None:
+        for i, unit in enumerate(rt.units):
+            unit.residuals = {kind: t for (j, kind), t in saved.items() if j == i}
 
     return install
 

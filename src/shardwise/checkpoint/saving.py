@@ -113,7 +113,7 @@ class _Report:
     pieces: list[tuple[str, int, int]] = field(
         default_factory=list
     )  # (name, start, stop) in its file
-    rng: dict[str, str] = field(default_factory=dict)
+    rng: dict[str, str] = field(default_factory=dict)  # its own state: RNG, error feedback
     meta: dict | None = None  # rank 0: strategy, step, extra, optimizer
     values: dict = field(default_factory=dict)  # optimizer numbers of the parameters it writes whole
     written: dict | None = None  # {"bytes", "crc32"} once the file is on disk
@@ -143,7 +143,8 @@ def save(
     With hybrid sharding the ranks of rank 0's shard group write the rows, once; the other
     replicas' files hold only their RNG states. The directory appears under ``path`` only once
     complete (an existing one is replaced), so a crash at any moment leaves the previous
-    checkpoints loadable. ``step`` and ``extra`` (any
+    checkpoints loadable. Error feedback residuals (``shardwise.Comm``) are saved per rank
+    with its RNG states, and restored with them. ``step`` and ``extra`` (any
     JSON value, e.g. a data position; rank 0's is kept) come back from ``load()``.
     ``optimizer`` may be a list (e.g. Muon on the owned matrices and AdamW on the rest).
 
@@ -232,6 +233,10 @@ def _snapshot(
     if torch.cuda.is_available():
         rep.rng["cuda"] = "rng.cuda"
         snap.entries.append(files.whole("rng.cuda", torch.cuda.get_rng_state()))
+    for i, unit in enumerate(rt.units):  # error feedback: this rank's own, as its RNG is
+        for kind, residual in unit.residuals.items():
+            rep.rng[f"residual.{i}.{kind}"] = f"residual.{i}.{kind}"
+            snap.entries.append(files.whole(f"residual.{i}.{kind}", take(residual)))
     if rank == 0:
         try:
             json.dumps(extra)

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ..api import _runtime, units
 from ..policies import Sharding
+from ..quantize import Codec
 from ..unit import ReplicatedUnit, ShardedUnit
 
 
@@ -65,21 +66,29 @@ def kept_buckets(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in kept if b is not None]
 
 
+def _wire(fmt: str | None, itemsize: int, psi: int) -> float:
+    """Bytes per element sent: the dtype's, or an encoding's (blocks of the whole, scales included)."""
+    return itemsize if fmt is None else round(Codec(fmt).nbytes(psi) / max(psi, 1), 4)
+
+
 def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
     """Bytes per rank per step that the strategy moves in theory, for psi parameters on N ranks
     with b bytes per element sent: full shard 3 psi b (N-1)/N (two gathers, one
     reduce-scatter), shard_grad_op and DDP 2 psi b (N-1)/N. With mixed precision the gathers
     send b_gather and the reduction b_reduce bytes per element. Hybrid sharding on R replicas
     of S ranks: the same within the shard group, with S for N (``within``), and each rank's
-    reduced shard all-reduced across the replicas, 2 psi b (R-1)/(R S) (``across``)."""
+    reduced shard all-reduced across the replicas, 2 psi b (R-1)/(R S) (``across``). With
+    ``comm`` the encoded collectives' b is the codec's bytes per element, scales included."""
     full = _full_numel(model)
     psi = sum(full.values())
     us = units(model)
     mesh = _runtime(model).mesh
     n = dist.get_world_size(us[0].group)
     r = dist.get_world_size(mesh.replicate) if mesh.replicate is not None else 1
-    b_gather = us[0].compute_dtype.itemsize
-    b_reduce = us[0].reduce_dtype.itemsize
+    comm = _runtime(model).comm
+    b_gather = _wire(comm.gather, us[0].compute_dtype.itemsize, psi)
+    b_reduce = _wire(comm.reduce, us[0].reduce_dtype.itemsize, psi)
+    b_replica = _wire(comm.replica, us[0].reduce_dtype.itemsize, psi)
     sharding = Sharding.of(strategy)
     gathers = 2 if sharding.reshard_after_forward else 1 if sharding.shard else 0
     g = "S" if sharding.hybrid else "N"
@@ -96,7 +105,7 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
         formula = f"({gathers}*b_gather + b_reduce)*psi*({g}-1)/{g}"
     across = 0
     if sharding.hybrid:
-        across = 2 * psi * b_reduce * (r - 1) // (r * n)
+        across = int(2 * psi * b_replica * (r - 1) // (r * n))
         formula += " + 2*psi*b_reduce*(R-1)/(R*S)" if b_gather != b_reduce else " + 2*psi*b*(R-1)/(R*S)"
     kept = (
         "measured is lower by the root unit's backward gather (it stays gathered from forward "
@@ -111,6 +120,7 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
         "hybrid_shard_grad_op": "one gather in forward and one reduce-scatter in the shard group, "
         "then the replica all-reduce of each rank's reduced shard; padding rows add a little",
     }
+    total = int(total)
     return {
         "formula": formula,
         "bytes": total + across,

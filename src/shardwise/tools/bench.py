@@ -48,6 +48,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
 from ..collectives import step_check_nbytes
+from ..quantize import FORMATS as WIRE_FORMATS
+from ..quantize import Codec
 from . import charts
 from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
@@ -72,7 +74,16 @@ HYBRID_SYSTEMS = (
 OWNED_SYSTEMS = ("shardwise/full_shard+owned", "shardwise/hybrid_shard+owned")
 # --optimizer muon: Muon on the blocks' matrices (owned; FSDP2's DTensors), and rows + AdamW
 MUON_SYSTEMS = ("fsdp2/full_shard", "shardwise/full_shard+owned", "shardwise/full_shard")
-KNOWN = SYSTEMS + HYBRID_SYSTEMS + OWNED_SYSTEMS
+KNOWN = SYSTEMS + HYBRID_SYSTEMS
+# --nodes 2: across the shaped link between two namespaces (shardwise.tools.netns); a
+# shardwise system may name its precision on the wire after a "+" (shardwise.Comm shorthands)
+TWO_NODE_SYSTEMS = (
+    "floor",
+    "fsdp2/hybrid_shard",
+    "shardwise/hybrid_shard",
+    "shardwise/hybrid_shard+int8",
+    "shardwise/full_shard",
+)
 STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_grad_op")
 
 
@@ -120,11 +131,22 @@ class BenchConfig:
     quiet: float = 0.10  # redo a visit if other processes took more of the CPU (1: never)
     optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' matrices: bench_optim.py)
 
+    comm: str = "exact"  # precision on the wire of shardwise systems without a "+" (exact|bf16|fp8|int8)
+    nodes: int = 1  # 2: two nodes on this machine, --nproc ranks each, joined by a shaped link
+    link: str = "1gbit"  # --nodes 2: the link's rate each way (tc units: 10gbit, 1gbit, 100mbit)
+
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: use one of {', '.join(MODELS)}")
-        if bad := [s for s in self.systems if s not in KNOWN]:
-            raise ValueError(f"unknown systems {bad}; valid: {', '.join(KNOWN)}")
+        if bad := [s for s in self.systems if not _known(s)]:
+            raise ValueError(
+                f"unknown systems {bad}; valid: {', '.join(KNOWN)}, and shardwise ones with "
+                f"+{'|+'.join(WIRE_FORMATS)} or +owned"
+            )
+        if self.comm != "exact" and self.comm not in WIRE_FORMATS:
+            raise ValueError(f"comm={self.comm!r}: use exact or one of {', '.join(WIRE_FORMATS)}")
+        if self.nodes not in (1, 2):
+            raise ValueError(f"nodes={self.nodes}: use 1, or 2 (two namespaces joined by a link)")
         if self.shard_size < 0:
             raise ValueError(f"shard_size={self.shard_size} must be positive (0: one node)")
         if self.mixed_precision not in ("none", "bf16"):
@@ -135,6 +157,20 @@ class BenchConfig:
             raise ValueError(f"optimizer={self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
         if self.rounds < 1 or self.steps < 1 or self.warmup < 1:
             raise ValueError("rounds, steps and warmup must each be at least 1")
+
+
+def _known(system: str) -> bool:
+    base, plus, variant = system.partition("+")
+    if not plus:
+        return base in KNOWN
+    return base.startswith("shardwise/") and base in KNOWN and (variant in WIRE_FORMATS or variant == "owned")
+
+
+def _comm_of(system: str, cfg: BenchConfig) -> str | None:
+    """A shardwise system's precision on the wire: after its "+", else ``--comm``."""
+    variant = system.partition("+")[2]
+    wire = variant if variant in WIRE_FORMATS else cfg.comm
+    return None if wire == "exact" else wire
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -172,6 +208,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         help="hybrid strategies: ranks per shard group (default: the ranks of one node)",
     )
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
+    p.add_argument("--comm", choices=("exact", *WIRE_FORMATS), default=d.comm,
+                   help='precision on the wire of shardwise systems (a system may say its own: "+int8")')
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=d.nodes,
+                   help="2: two nodes of --nproc ranks, network namespaces joined by a shaped veth link (root)")
+    p.add_argument("--link", default=d.link, help="--nodes 2: the link's rate each way (tc units)")
     p.add_argument(
         "--compile", action="store_true", help="torch.compile each block of every system alike"
     )
@@ -201,7 +242,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     elif a["systems"] is not None:
         a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
     else:
-        a["systems"] = MUON_SYSTEMS if a["optimizer"] == "muon" else d.systems
+        a["systems"] = (
+            TWO_NODE_SYSTEMS if a["nodes"] == 2 else MUON_SYSTEMS if a["optimizer"] == "muon" else d.systems
+        )
     return BenchConfig(**a)
 
 
@@ -213,9 +256,46 @@ def main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             report(summarize(cfg, results), cfg.out)
         return
+    if cfg.nodes == 2:
+        _across_a_link(cfg, sys.argv[1:] if argv is None else argv)
+        return
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)  # read by torch as each rank starts
     results = groups.launch_local(cfg.nproc, run_rank, cfg)[0]
     report(summarize(cfg, results), cfg.out)
+
+
+def _across_a_link(cfg: BenchConfig, argv: list[str]) -> None:
+    """Run this benchmark as two torchrun agents, one per namespace, over a link shaped to
+    ``--link``; rank 0 (node A) writes the results."""
+    from .netns import two_nodes, unavailable
+
+    why = unavailable()
+    if why:
+        raise SystemExit(f"shardwise bench --nodes 2: {why}")
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    env = {"OMP_NUM_THREADS": str(cfg.threads)}
+    with two_nodes(rate=cfg.link) as link:
+        args = ["-m", "shardwise", "bench", *_without_nproc(argv)]
+        agents = [
+            link.agent(node, cfg.nproc, args, run_id=f"bench-{os.getpid()}", env=env) for node in (0, 1)
+        ]
+        codes = [a.wait() for a in agents]
+    if any(codes):
+        raise SystemExit(f"shardwise bench --nodes 2: the agents exited with {codes}")
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc``: torchrun's parser takes it for its own ``--nproc_per_node``
+    even after the module's name (and a rank under torchrun ignores it anyway)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 # --------------------------------------------------------------------------- models and systems
@@ -324,6 +404,7 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
             mesh=mesh if hybrid else None,  # the same 2-D mesh as FSDP2's HSDP
             mixed_precision="bf16" if bf16 else None,
             placement=placement.matrices if name.endswith("+owned") else None,
+            comm=_comm_of(name, cfg),
         )
     elif kind == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -606,6 +687,11 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
         # on Gloo its gathers and reduce-scatters are messages its posting thread posts, out
         # of the counter's sight (a dispatch mode sees its own thread): from its own books
         counted.update({k: own[k] for k in ("all_gather", "reduce_scatter") if k in own})
+    if name.startswith("shardwise") and _comm_of(name, cfg) is not None:
+        # encoded all-reduces are messages too (Note [wire precision] in collectives.py)
+        counted["all_reduce"] = counted.get("all_reduce", 0) + own.get("all_reduce", 0)
+        if own.get("replica_all_reduce"):
+            counted["replica_all_reduce"] = own["replica_all_reduce"]
     res = {
         "bytes": counted,
         "shardwise_bytes": own,
@@ -690,6 +776,9 @@ def _theory(
     numbers."""
     if system == "floor":
         return 0
+    wire = system.partition("+")[2]
+    if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole, ~exact)
+        b_gather = b_reduce = Codec(wire).nbytes(psi) / psi
     strategy = strategy_of(system)
     r, s = mesh if is_hybrid(system) else (1, world)
     if strategy in ("full_shard", "hybrid_shard"):
@@ -700,7 +789,7 @@ def _theory(
         gathered = 2 * psi * b_reduce
     across = 2 * psi * b_reduce * (r - 1) // (r * s)
     check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
-    return gathered * (s - 1) // s + across + check
+    return int(gathered * (s - 1) // s + across + check)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -747,7 +836,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "bytes_by_kind": ranks[0][name]["bytes"],
             "shardwise_comm_stats_bytes": ranks[0][name]["shardwise_bytes"],
             "theory_bytes": _theory(
-                name,
+                name if "+" in name or cfg.comm == "exact" or not name.startswith("shardwise") else f"{name}+{cfg.comm}",
                 results["num_params"],
                 results["root_params"],
                 results["trained_tensors"],
@@ -782,7 +871,10 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
         if results["device"] == "cuda"
         else "torch.distributed._tools.mem_tracker.MemTracker",
         "systems": rows,
-        "loss_check": _loss_check(rows, tol=1e-2 if cfg.mixed_precision == "bf16" else 1e-4),
+        # encoded systems compute on weights within their codec's bound: their loss differs a little
+        "loss_check": _loss_check(
+            rows, tol=1e-2 if cfg.mixed_precision == "bf16" or any("+" in s for s in rows) else 1e-4
+        ),
     }
 
 
@@ -839,6 +931,13 @@ def render_markdown(summary: dict) -> str:
             if summary.get("mesh")
             else ""
         )
+        + (
+            f", 2 nodes of {summary['world_size'] // 2} joined by a {c['link']} link each way (network "
+            "namespaces, a veth pair shaped with tc tbf)"
+            if c.get("nodes") == 2
+            else ""
+        )
+        + (f", shardwise systems' comm {c['comm']}" if c.get("comm", "exact") != "exact" else "")
         + f", {c['threads']} thread(s) each; "
         f"model {c['model']} ({summary['num_params'] / 1e6:.1f}M parameters), batch {c['batch_size']}"
         + (f" x {c['seq_len']} tokens" if c["model"] != "mlp" else " rows")

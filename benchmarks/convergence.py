@@ -1,0 +1,94 @@
+"""Loss curves of the built-in GPT with exact and encoded communication, side by side.
+
+Trains the same job (``shardwise train``'s worker: same seed, batches and schedule) once per
+``--comm`` choice, logs the loss at every step, draws the curves into one PNG and writes the
+final-loss ratios against exact communication to a JSON file:
+
+    OMP_NUM_THREADS=1 python benchmarks/convergence.py --model-size small --steps 300 \
+        --out docs/convergence
+
+The final loss is the mean over the last ``--tail`` steps (one step's loss is one batch's,
+noisy); the last step alone is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from shardwise import groups, train
+from shardwise.tools import charts
+
+COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--comm", nargs="+", default=["exact", "bf16", "int8", "fp8"])
+    p.add_argument("--model-size", default="small")
+    p.add_argument("--strategy", default="full_shard")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--tail", type=int, default=20, help="final loss: mean over this many last steps")
+    p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--out", default="convergence", help="writes OUT.json and OUT.png")
+    a = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(a.out)
+    results = json.loads(out.with_suffix(".json").read_text()).get("runs", {}) if out.with_suffix(".json").exists() else {}
+    for comm in a.comm:
+        cfg = train.TrainConfig(
+            nproc=a.nproc, strategy=a.strategy, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
+            model_size=a.model_size, log_every=1, comm=comm, error_feedback=a.error_feedback,
+        )
+        t0 = time.perf_counter()
+        summary = groups.launch_local(a.nproc, train.worker, cfg)[0]
+        steps, losses = summary["curve"]
+        results[comm] = {
+            "steps": steps, "losses": losses, "seconds": time.perf_counter() - t0,
+            "bytes_per_step": {k: summary["rows"][0][k] for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        }
+        print(f"{comm}: final loss {losses[-1]:.4f} in {results[comm]['seconds']:.0f} s", flush=True)
+        _write(out, a, results)
+
+
+def _write(out: Path, a, results: dict) -> None:
+    base = results.get("exact")
+    for r in results.values():
+        r["final"] = sum(r["losses"][-a.tail :]) / len(r["losses"][-a.tail :])
+        if base is not None:
+            r["final_ratio"] = r["final"] / base["final"]
+            r["last_step_ratio"] = r["losses"][-1] / base["losses"][-1]
+    config = {k: getattr(a, k) for k in ("model_size", "strategy", "nproc", "steps", "batch_size", "seq_len", "tail", "error_feedback")}
+    out.with_suffix(".json").write_text(json.dumps({"config": config, "runs": results}, indent=1))
+    if not charts.available():
+        return
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax, zoom = fig.subplots(1, 2, width_ratios=[2, 1])
+    for name, r in results.items():
+        label = name + (f" ({r['final_ratio']:.4f}x)" if "final_ratio" in r else "")
+        for axis in (ax, zoom):
+            axis.plot(r["steps"], r["losses"], color=COLORS.get(name), lw=0.8, label=label)
+    tail = a.steps - 4 * a.tail
+    finals = [r["losses"][i] for r in results.values() for i, s in enumerate(r["steps"]) if s > tail]
+    zoom.set_xlim(tail, a.steps)
+    zoom.set_ylim(min(finals) * 0.98, max(finals) * 1.02)
+    ax.set_xlabel("step")
+    zoom.set_xlabel("step (last steps)")
+    ax.set_ylabel("loss (mean over ranks)")
+    ax.legend(title=f"comm (final loss vs exact, last {a.tail})", fontsize=8)
+    for axis in (ax, zoom):
+        axis.grid(alpha=0.3)
+    fig.suptitle(f"{a.model_size} GPT, {a.strategy}, {a.nproc} ranks, {a.steps} steps")
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Two nodes on one machine, joined by a real, shaped link: network namespaces and a veth pair.
+
+``two_nodes(rate)`` makes two network namespaces, puts one end of a veth pair in each with an
+address from 10.213.0.0/24 (used only inside them), brings ``lo`` up in both and shapes each
+end's egress with a token bucket (``tc ... tbf``: ``rate`` each way), plus a propagation delay
+where the kernel has netem. Everything is deleted on exit, whatever happened. ``Link.agent``
+starts a torchrun agent in a namespace, following shared/notes/two-node-link.md: node A hosts
+the c10d rendezvous (``is_host=1``), each agent gives its own address (``--local_addr``) and
+Gloo is bound to the veth (``GLOO_SOCKET_IFNAME``); ranks of one node talk over its own ``lo``.
+Needs root and iproute2 (``ip``, ``tc``); ``unavailable()`` says why not, where not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.213.0"
+
+
+def unavailable() -> str:
+    """Why namespaces cannot be made here ("" where they can)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed: apt-get install -y iproute2"
+    probe = f"swP{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if made.returncode:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return ""
+
+
+@dataclass(frozen=True)
+class Link:
+    """The two nodes: namespace, veth device and address of each (A hosts the rendezvous)."""
+
+    namespaces: tuple[str, str]
+    devices: tuple[str, str]
+    addresses: tuple[str, str]
+    rate: str
+    delay: str  # propagation delay each way ("" where the kernel has no netem)
+
+    def run(self, node: int, cmd: Sequence[str], **popen) -> subprocess.Popen:
+        """Start ``cmd`` inside node ``node``'s namespace, Gloo bound to its veth."""
+        env = {**os.environ, **popen.pop("env", {}), "GLOO_SOCKET_IFNAME": self.devices[node]}
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *cmd], env=env, **popen)
+
+    def agent(
+        self, node: int, nproc: int, args: Sequence[str], *, port: int = 29531, run_id: str = "shardwise",
+        log: Path | None = None, env: dict | None = None,
+    ) -> subprocess.Popen:
+        """One torchrun agent of ``nproc`` ranks on node ``node`` running ``python args``."""
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2", "--nproc_per_node", str(nproc), "--max_restarts", "0",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.addresses[0]}:{port}", "--rdzv_id", run_id,
+            "--rdzv_conf", f"is_host={int(node == 0)}", "--local_addr", self.addresses[node],
+            *args,
+        ]
+        out = open(log, "w") if log is not None else None  # noqa: SIM115 (the child holds it)
+        return self.run(node, cmd, env=env or {}, stdout=out, stderr=subprocess.STDOUT if out else None)
+
+
+@contextlib.contextmanager
+def two_nodes(rate: str = "1gbit", delay: str = "1ms", burst: str = "1mb") -> Iterator[Link]:
+    """Two namespaces joined by a veth pair shaped to ``rate`` each way (``tc`` units: 1gbit,
+    100mbit, ...) with ``delay`` of propagation where netem exists; deleted on exit."""
+    tag = uuid.uuid4().hex[:6]  # several harnesses may run on one machine at once
+    ns, dev = (f"swA{tag}", f"swB{tag}"), (f"swa{tag}", f"swb{tag}")
+    addrs = (f"{SUBNET}.1", f"{SUBNET}.2")
+    try:
+        _ip("netns", "add", ns[0])
+        _ip("netns", "add", ns[1])
+        _ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        netem = True
+        for n, d, a in zip(ns, dev, addrs):
+            _ip("link", "set", d, "netns", n)
+            _ip("-n", n, "addr", "add", f"{a}/24", "dev", d)
+            _ip("-n", n, "link", "set", d, "up")
+            _ip("-n", n, "link", "set", "lo", "up")
+            tc = ["ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", d]
+            if netem and delay:
+                netem = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", delay], capture_output=True, check=False).returncode == 0
+            parent = ["parent", "1:", "handle", "2:"] if netem and delay else ["root"]
+            _run([*tc, *parent, "tbf", "rate", rate, "burst", burst, "latency", "100ms"])
+        yield Link(ns, dev, addrs, rate, delay if netem else "")
+    finally:
+        for n in ns:  # deleting a namespace deletes its end of the pair, and so the pair
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, check=False)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
