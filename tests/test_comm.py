@@ -308,3 +308,23 @@ def test_resume_with_error_feedback_is_bitwise_exact(pools, tmp_path):
     assert resumed == straight[3:]
     forgot, _ = pool.run(run_ef, path, 3, 6, load=True, zero_residuals=True)[0]
     assert forgot != straight[3:]  # the residual matters, so saving it is what made this exact
+
+
+def test_planner_predicts_encoded_bytes():
+    # the planner runs the real runtime: encoded messages, scales included, in its bytes
+    from functools import partial
+
+    from shardwise.models import GPT, Block, gpt_config
+
+    cfg = gpt_config("tiny", seq_len=32)
+    sent = {
+        comm: shardwise.plan(
+            partial(GPT, cfg), world_size=2, strategy=("full_shard", "no_shard"),
+            wrap=shardwise.wrap.by_class(Block), seq_len=32, comm=comm,
+        ).estimates
+        for comm in (None, "bf16", "int8")
+    }
+    for kind, i in (("all_gather", 0), ("reduce_scatter", 0), ("all_reduce", 1)):
+        exact = sent[None][i].comm[kind]
+        assert sent["bf16"][i].comm[kind] == exact // 2
+        assert 0.25 < sent["int8"][i].comm[kind] / exact < 0.26  # a byte each, 4 per 256 for scales

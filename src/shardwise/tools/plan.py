@@ -35,7 +35,7 @@ from ..api import shard
 from ..checkpointing import checkpoint_activations
 from ..errors import ShardwiseError
 from ..placement import Placement
-from ..policies import MixedPrecision
+from ..policies import Comm, MixedPrecision
 from ..scaler import GradScaler
 from ..wrap import Policy
 from .trace import _FakeAllocations, trace, when
@@ -165,6 +165,7 @@ class _Job:
     max_unsharded: int
     shard_size: int | None  # hybrid strategies' shard groups
     placement: Placement | None = None
+    comm: Comm | str | None = None
 
 
 def _no_values(module: nn.Module) -> None:
@@ -201,6 +202,7 @@ def _run(job: _Job, strategy: str, wrap: Policy | None, checkpointing: bool, off
                 max_unsharded=job.max_unsharded,
                 init=_no_values,
                 placement=job.placement,
+                comm=job.comm,
                 **({"shard_size": job.shard_size} if strategy in HYBRID else {}),
             )
         finally:
@@ -374,6 +376,7 @@ def plan(
     backend: str | None = None,
     budget: int | str | None = None,
     placement: Placement | None = None,
+    comm: Comm | str | None = None,
 ) -> Plan:
     """Predict each rank's memory and traffic for a training step by running shardwise's
     runtime on fake tensors in a fake world of ``world_size`` ranks (see the module doc).
@@ -382,7 +385,7 @@ def plan(
     builds one (called under ``torch.device("meta")``). strategy: one, several, or None for
     full_shard, shard_grad_op and no_shard side by side (no_shard is DDP's layout); the hybrid
     strategies when named, over shard groups of ``shard_size`` ranks. wrap, mixed_precision,
-    cpu_offload, max_unsharded and placement mean what they mean for ``shard()`` (the plan
+    cpu_offload, max_unsharded, placement and comm mean what they mean for ``shard()`` (the plan
     shows which rank owns each owned parameter; its figures are rank 0's); activation_checkpointing is the policy
     ``checkpoint_activations`` would get. The micro-batch is ``inputs()``, positional
     arguments, or by default token ids of ``batch_size`` x ``seq_len`` (default:
@@ -466,6 +469,7 @@ def plan(
         max_unsharded=max_unsharded,
         shard_size=shard_size,
         placement=placement,
+        comm=comm,
     )
     one_memory = backend == "gloo"  # shardwise computes on the CPU under Gloo
     if budget is None:  # DDP, for comparison, holds everything on the device

@@ -256,6 +256,21 @@ def _quiet():
 Storages = dict[int, tuple[str, torch.UntypedStorage, str]]
 
 
+def _in_flight(pending) -> list[torch.Tensor]:
+    """The tensors a gather in flight holds: its receive rows, or, encoded on the wire, the
+    messages it sends and receives (its rows are decoded only at the wait)."""
+    if pending is None:
+        return []
+    found, todo = [], [pending.result, pending.buffers]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return found
+
+
 def _add(out: Storages, category: str, t: torch.Tensor | None) -> None:
     if t is not None and t.device.type != "meta":
         st = t.untyped_storage()
@@ -315,7 +330,7 @@ class _Known:
         for u in self.units:
             if isinstance(u, ShardedUnit):
                 _add(out, "gathered", u.flat_full)  # the shard itself where a unit aliases it
-                for row in u._gather.result if u._gather is not None else ():
+                for row in _in_flight(u._gather):
                     if row.untyped_storage() is not u.flat_shard.untyped_storage():
                         _add(out, "gathered", row)  # the receive rows, not this rank's shard
                 _add(out, "gathered", u._send)
