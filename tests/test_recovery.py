@@ -239,9 +239,8 @@ def test_compiled_blocks(pools):
 # --- many failures hold no more memory
 def live_tensors() -> tuple[int, int]:
     """Tensors alive in this process and the bytes of their distinct storages (after the
-    posting thread has let go of the last messages it posted)."""
-    poster = shardwise.collectives._poster
-    if poster is not None:
+    posting threads have let go of the last messages they posted)."""
+    for poster in list(shardwise.collectives._posters.values()):
         poster.submit(int).result()
     gc.collect()
     tensors = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)]

@@ -226,19 +226,22 @@ def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor | None], group
     thread (Note [posting thread]); in the planner's fake world, here."""
     if _stands_for is not None:  # (fake tensors live in this thread's FakeTensorMode)
         return _post(sends, recvs, group, tag)
-    global _poster
-    if _poster is None:
-        _poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-post")
-    return [_Posted(_poster.submit(_post, sends, recvs, group, tag))]
+    poster = _posters.get(group)
+    if poster is None:
+        poster = _posters[group] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-post")
+    return [_Posted(poster.submit(_post, sends, recvs, group, tag))]
 
 
 # Note [posting thread]: Gloo writes a point-to-point message into the socket on the thread that
 # posts it when the receiver is already waiting for it (as it usually is: ranks post their
 # receives when they issue the collective), which is megabytes of copying on the compute
-# thread (docs/benchmarks.md measured +8% on a step). One thread posts every message instead,
-# in the order they are issued (messages of a tag are matched in order), and the copying
-# happens there, beside compute, as Gloo's own collectives do it on their worker threads.
-_poster: ThreadPoolExecutor | None = None
+# thread (docs/benchmarks.md measured +8% on a step). One thread per process group posts its
+# messages instead, in the order they are issued (messages of a tag are matched in order), and
+# the copying happens there, beside compute, as Gloo's own collectives do it on their worker
+# threads. A thread per group, not one for all: a write over a slow link between nodes (hybrid
+# sharding's replica group, encoded) blocks its thread for as long as the link takes, and
+# must not hold up the gathers within a node behind it (measured: docs/benchmarks.md).
+_posters: dict = {}  # process group -> its posting thread
 
 
 def _post(sends: list[torch.Tensor], recvs: list[torch.Tensor | None], group, tag: int) -> list:
