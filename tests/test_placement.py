@@ -29,20 +29,6 @@ class TiedPair(nn.Module):
         return x + self.b(torch.tanh(self.a(x)))
 
 
-class TiedPairNet(nn.Module):
-    def __init__(self, d: int = 12):
-        super().__init__()
-        self.inp = nn.Linear(13, d)
-        self.blocks = nn.ModuleList(TiedPair(d) for _ in range(2))
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
 class StackedExperts(nn.Module):
     """Fused expert weights ``[E, d, h]`` as Hugging Face's MoE layers keep them; each row goes
     to expert ``argmax(gate)``."""
@@ -59,11 +45,23 @@ class StackedExperts(nn.Module):
         return x + torch.einsum("bh,bhd->bd", h, self.down[e])
 
 
-class ExpertNet(nn.Module):
-    def __init__(self, d: int = 8):
+class Bare(nn.Linear):
+    """A block that is one matrix: owned, the other ranks hold nothing of its unit."""
+
+    def __init__(self, d: int):
+        super().__init__(d, d, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(super().forward(x))
+
+
+class Stack(nn.Module):
+    """A linear layer in, ``blocks`` in a row, a linear layer out (the root's)."""
+
+    def __init__(self, block, d: int, n: int = 2):
         super().__init__()
         self.inp = nn.Linear(13, d)
-        self.blocks = nn.ModuleList(StackedExperts(d) for _ in range(2))
+        self.blocks = nn.ModuleList(block(d) for _ in range(n))
         self.out = nn.Linear(d, 3)
 
     def forward(self, x):
@@ -73,28 +71,12 @@ class ExpertNet(nn.Module):
         return self.out(x)
 
 
-class BareNet(nn.Module):
-    """Blocks that are one matrix each: owned, the other ranks hold nothing of the unit."""
-
-    def __init__(self, d: int = 12):
-        super().__init__()
-        self.inp = nn.Linear(13, d)
-        self.blocks = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(3))
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.out(x)
-
-
 MODELS = {
     "tied": (lambda: TiedTransformer(vocab=24), Block),
     "moe": (lambda: make("moe"), MoEBlock),
-    "pair": (TiedPairNet, TiedPair),
-    "experts": (ExpertNet, StackedExperts),
-    "bare": (BareNet, nn.Linear),
+    "pair": (lambda: Stack(TiedPair, 12), TiedPair),
+    "experts": (lambda: Stack(StackedExperts, 8), StackedExperts),
+    "bare": (lambda: Stack(Bare, 12, 3), Bare),
 }
 
 

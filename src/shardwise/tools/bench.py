@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
 from ..collectives import step_check_nbytes
+from ..policies import Comm
 from ..quantize import FORMATS as WIRE_FORMATS
 from ..quantize import Codec
 from . import charts
@@ -82,6 +83,7 @@ TWO_NODE_SYSTEMS = (
     "fsdp2/hybrid_shard",
     "shardwise/hybrid_shard",
     "shardwise/hybrid_shard+int8",
+    "shardwise/hybrid_shard+replica-int8",
     "shardwise/full_shard",
 )
 STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_grad_op")
@@ -141,7 +143,7 @@ class BenchConfig:
         if bad := [s for s in self.systems if not _known(s)]:
             raise ValueError(
                 f"unknown systems {bad}; valid: {', '.join(KNOWN)}, and shardwise ones with "
-                f"+{'|+'.join(WIRE_FORMATS)} or +owned"
+                f"+{'|+'.join(WIRE_FORMATS)}, +replica-{'|+replica-'.join(WIRE_FORMATS)} or +owned"
             )
         if self.comm != "exact" and self.comm not in WIRE_FORMATS:
             raise ValueError(f"comm={self.comm!r}: use exact or one of {', '.join(WIRE_FORMATS)}")
@@ -163,12 +165,16 @@ def _known(system: str) -> bool:
     base, plus, variant = system.partition("+")
     if not plus:
         return base in KNOWN
-    return base.startswith("shardwise/") and base in KNOWN and (variant in WIRE_FORMATS or variant == "owned")
+    replica = variant.removeprefix("replica-")
+    return base.startswith("shardwise/") and base in KNOWN and (replica in WIRE_FORMATS or variant == "owned")
 
 
-def _comm_of(system: str, cfg: BenchConfig) -> str | None:
-    """A shardwise system's precision on the wire: after its "+", else ``--comm``."""
+def _comm_of(system: str, cfg: BenchConfig) -> Comm | str | None:
+    """A shardwise system's precision on the wire: after its "+" (``replica-int8``: only the
+    all-reduce across shard groups, the link between nodes), else ``--comm``."""
     variant = system.partition("+")[2]
+    if variant.startswith("replica-"):
+        return Comm(replica=variant.removeprefix("replica-"))
     wire = variant if variant in WIRE_FORMATS else cfg.comm
     return None if wire == "exact" else wire
 
@@ -777,8 +783,11 @@ def _theory(
     if system == "floor":
         return 0
     wire = system.partition("+")[2]
+    b_across = b_reduce
     if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole, ~exact)
-        b_gather = b_reduce = Codec(wire).nbytes(psi) / psi
+        b_gather = b_reduce = b_across = Codec(wire).nbytes(psi) / psi
+    elif wire.startswith("replica-"):
+        b_across = Codec(wire.removeprefix("replica-")).nbytes(psi) / psi
     strategy = strategy_of(system)
     r, s = mesh if is_hybrid(system) else (1, world)
     if strategy in ("full_shard", "hybrid_shard"):
@@ -787,7 +796,7 @@ def _theory(
         gathered = psi * b_gather + psi * b_reduce
     else:
         gathered = 2 * psi * b_reduce
-    across = 2 * psi * b_reduce * (r - 1) // (r * s)
+    across = 2 * psi * b_across * (r - 1) // (r * s)
     check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
     return int(gathered * (s - 1) // s + across + check)
 
