@@ -9,7 +9,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from nets import Block, MoEBlock, TiedTransformer, batch, global_mean, local_slice, loss_of, make, train_pair
+from nets import (
+    Block,
+    MoEBlock,
+    TiedTransformer,
+    batch,
+    global_mean,
+    local_slice,
+    loss_of,
+    make,
+    train_pair,
+)
 
 import shardwise
 from shardwise.placement import choose_owners
