@@ -273,9 +273,11 @@ def fail_many(strategy, count=100):
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_a_hundred_failures_hold_no_memory(pools, strategy):
     ((count, nbytes), held), ((count_after, nbytes_after), held_after) = pools(2).run(fail_many, strategy)[0]
-    assert (nbytes_after, held_after) == (nbytes, held)
-    # a leak per failure would add 100 tensors or more; a loaded machine's threads may still
-    # hold a few views of live buffers when the count is taken
+    assert held_after == held  # what shardwise holds: exactly the same
+    # every live tensor: a leak only adds (what an earlier task of this shared process left in
+    # flight may go meanwhile), and a leak per failure would add 100 tensors or more, where a
+    # loaded machine's threads may still hold a few views of live buffers at the count
+    assert nbytes_after <= nbytes
     assert count_after - count < 32
 
 
