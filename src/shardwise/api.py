@@ -184,9 +184,12 @@ def shard(
             )
         for r in plan.registrations:
             _retire(plan.params[r.index], r.fqn)
-    module._shardwise = Runtime(
+    module._shardwise = rt = Runtime(
         module, units, strategy, sharding, layout_mesh, max_unsharded, precision, groups.host_group(whole), wire
     )
+    for u in units:
+        for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
+            p._shardwise_runtime = weakref.ref(rt)  # Note [a step after a forward]
     _install_optimizer_guard()
     if init_from is not None:
         from .checkpoint import load_full  # checkpoint builds on this module
@@ -234,10 +237,27 @@ def _install_optimizer_guard() -> None:
         _guard_installed = True
 
 
+# Note [a step after a forward]: a forward with gradients on leaves units gathered for the
+# backward it expects (the root always; every unit under shard_grad_op). A loop that skips
+# that backward (a loss that is NaN, a micro-batch it drops) and still steps the optimizer
+# changes the shards under them, and the next forward, finding them gathered, would compute on
+# the parameters from before the step, silently. So the optimizer's step first settles the
+# runtimes of the parameters it steps when they are between a forward and a backward: their
+# units reshard and gather again, from the new shards, when next called.
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     key = tuple(len(g["params"]) for g in optimizer.param_groups)
-    if _checked_optimizers.get(optimizer) == key:
-        return
+    checked = _checked_optimizers.get(optimizer)
+    if checked is None or checked[0] != key:
+        checked = _checked_optimizers[optimizer] = (key, _check_params(optimizer))
+    for ref in checked[1]:
+        rt = ref()
+        if rt is not None and rt.phase is Phase.FORWARD:
+            rt.settle()
+
+
+def _check_params(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
+    """Refuse what the optimizer must not step; return the runtimes of its parameters."""
+    runtimes = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             name = getattr(p, "_shardwise_retired", None)
@@ -248,8 +268,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "would update nothing. Build the optimizer after shard(), from "
                     "model.parameters()."
                 )
+            ref = getattr(p, "_shardwise_runtime", None)
+            if ref is not None:
+                runtimes[id(ref())] = ref
     placements.check_whole_matrices(optimizer)
-    _checked_optimizers[optimizer] = key
+    return list(runtimes.values())
 
 
 # --- gradient accumulation and clipping
