@@ -1,9 +1,11 @@
 """Policies: precision (which dtype each tensor of a unit is stored, computed, sent and reduced
-in) and sharding (what a strategy name means)."""
+in), sharding (what a strategy name means) and per-unit settings (what a plan decides)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -79,3 +81,46 @@ STRATEGIES = {
     "hybrid_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=True),
     "hybrid_shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=True),
 }
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How one unit runs: the settings a plan chooses per unit and ``shard(plan=...)`` applies.
+
+    reshard_after_forward: free the unit's full parameters after its forward and gather them
+    again for backward (full_shard), or keep them to backward (shard_grad_op). The root never
+    reshards after forward (backward needs it first).
+    checkpoint: "full" recomputes the unit's activations in backward (its module's forward
+    under torch.utils.checkpoint); "none" keeps them.
+    offload: the unit's parameter shards, their gradients and so its optimizer state live in
+    host memory (``cpu_offload`` for this unit alone).
+    """
+
+    reshard_after_forward: bool = True
+    checkpoint: Literal["none", "full"] = "none"
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in ("none", "full"):
+            raise ShardwiseError(f"UnitConfig(checkpoint={self.checkpoint!r}): use 'none' or 'full'")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``shard(model, plan=...)`` applies as it is: the strategy, the wrap policy and one
+    ``UnitConfig`` per unit, by unit name ("" for the root; every unit named, innermost first).
+    The planner makes one (``shardwise.plan(...).settings``); so can a user."""
+
+    strategy: str
+    wrap: Callable[[object, str], bool] | None
+    units: tuple[tuple[str, UnitConfig], ...]
+
+    def of(self, name: str) -> UnitConfig:
+        for n, c in self.units:
+            if n == name:
+                return c
+        raise ShardwiseError(
+            f"the plan has no settings for unit '{name or '<root>'}' (it names "
+            f"{[n or '<root>' for n, _ in self.units]}): plan the model you shard, with the "
+            "same wrap policy"
+        )

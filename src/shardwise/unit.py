@@ -97,6 +97,7 @@ class Unit:
     """Base of both unit kinds; ``name`` is the module's qualified name ('' for the root)."""
 
     state: UnitState
+    reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
 
     def __init__(self, module: nn.Module, name: str, registrations: list[Registration], group):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
@@ -159,10 +160,12 @@ class ShardedUnit(Unit):
         device: torch.device,
         precision: MixedPrecision,
         offload: bool = False,
+        reshard_after_forward: bool = True,
         streams: Streams | None = None,
         replicate=None,
     ):
         super().__init__(module, name, registrations, group)
+        self.reshard_after_forward = reshard_after_forward  # (UnitConfig; never the root's)
         # hybrid sharding: the same-position ranks of the other shard groups, which hold the
         # same shards; gradients are all-reduced over them after the reduce-scatter
         self.replicate = replicate

@@ -470,7 +470,7 @@ def plan(
             for off in ([False] if s == "no_shard" or one_memory else [False, True])
         ]
     estimates, optimizer_name = [], ""
-    with groups.fake_world(world_size, backend):
+    with groups.fake_world(world_size, backend), collectives.apart():
         for s, w, ckpt, off in configs:
             data, optimizer_name, shard_bytes = _run(job, s, w, ckpt, off)
             estimates.append(

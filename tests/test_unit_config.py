@@ -1,0 +1,69 @@
+"""Per-unit settings (``UnitConfig``) applied by ``shard(plan=...)``: a plan that mixes them
+trains exactly like one process, and contradictions are refused."""
+
+import pytest
+from nets import TiedTransformer, train_pair
+
+import shardwise
+from shardwise.policies import Settings, UnitConfig
+
+BLOCK = shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__)
+MIXED = Settings(
+    strategy="full_shard",
+    wrap=BLOCK,
+    units=(
+        ("blocks.0", UnitConfig(reshard_after_forward=True, checkpoint="full")),
+        ("blocks.1", UnitConfig(reshard_after_forward=False, offload=True)),
+        ("blocks.2", UnitConfig(reshard_after_forward=True, checkpoint="full", offload=True)),
+        ("", UnitConfig(reshard_after_forward=False)),
+    ),
+)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_mixed_plan_trains_like_one_process(pools, world_size):
+    losses, ref_losses, diff, moved = pools(world_size).run(train_pair, "tied", None, None, plan=MIXED)[0]
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert a == pytest.approx(b, rel=1e-5), f"step {step}: sharded {a} vs reference {b}"
+    assert moved > 0.05 and diff <= 1e-5
+
+
+def applied(settings):
+    """What shard(plan=settings) made of each unit: (reshards after forward, recomputes,
+    where its shard lives)."""
+    model = shardwise.shard(TiedTransformer(), plan=settings)
+    return {
+        u.label: (u.reshard_after_forward, getattr(u.module, "_shardwise_checkpointed", False), u.flat_shard.device.type)
+        for u in shardwise.units(model)
+    }
+
+
+def test_plan_is_applied_as_it_is(pools):
+    units = pools(1).run(applied, MIXED)[0]
+    assert units == {
+        "blocks.0": (True, True, "cpu"),
+        "blocks.1": (False, False, "cpu"),
+        "blocks.2": (True, True, "cpu"),
+        "<root>": (False, False, "cpu"),
+    }
+
+
+def refused(settings, **kwargs):
+    with pytest.raises((shardwise.ShardwiseError, TypeError)) as e:
+        shardwise.shard(TiedTransformer(), plan=settings, **kwargs)
+    return str(e.value)
+
+
+def test_contradictions_are_refused(pools):
+    pool = pools(1)
+    assert "strategy='no_shard'" in pool.run(refused, MIXED, strategy="no_shard")[0]
+    assert "drop it" in pool.run(refused, MIXED, cpu_offload=True)[0]
+    root_ckpt = Settings("full_shard", BLOCK, MIXED.units[:3] + (("", UnitConfig(checkpoint="full")),))
+    assert "root unit" in pool.run(refused, root_ckpt)[0]
+    missing = Settings("full_shard", BLOCK, MIXED.units[1:])
+    assert "no settings for unit 'blocks.0'" in pool.run(refused, missing)[0]
+    extra = Settings("full_shard", BLOCK, MIXED.units + (("head", UnitConfig()),))
+    assert "['head']" in pool.run(refused, extra)[0]
+    assert "policies.Settings" in pool.run(refused, "fast")[0]
+    with pytest.raises(shardwise.ShardwiseError, match="'none' or 'full'"):
+        UnitConfig(checkpoint="half")
