@@ -1,0 +1,184 @@
+"""The budget search: a per-unit configuration that fits a memory budget in the least
+predicted step time.
+
+The search walks one path from the fastest configuration to the smallest. It starts with
+DDP (no_shard: nothing gathered, recomputed or offloaded), then shards parameters, gradients
+and optimizer state with every unit kept gathered from forward to backward (shard_grad_op:
+the same bytes sent per step as DDP's all-reduce, on a ring), then applies one per-unit move
+at a time, the cheapest memory saving per predicted second first:
+
+- reshard a unit after forward: it is gathered again for backward (one more all-gather of
+  its parameters over the network) and frees them in between;
+- recompute a unit (activation checkpointing): its forward again in backward, for the bytes
+  its activations held;
+- offload a unit's state (on a GPU only: on a CPU run host and device are one memory, Note
+  [one memory] in plan.py): its shards, gradients and optimizer state cross the host link.
+
+Savings are estimated to order the moves (gathered bytes; the unit's saved activations;
+its state); each move is then re-planned with the real runtime on fake tensors, kept if the
+predicted peak went down and dropped if not. The path does not depend on the budget: every
+budget takes the first configuration on it that fits, so a larger budget never gets a
+slower one, and the last is the smallest peak possible with these moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..policies import Settings, UnitConfig
+from .costs import Rates
+
+
+@dataclass(frozen=True)
+class Step:
+    """A configuration on the path, what it cost to get there and why."""
+
+    settings: Settings
+    estimate: object  # plan.Estimate (its peak and bytes sent)
+    seconds: float  # predicted step time
+    why: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the search knows of each unit before it moves any: by unit name."""
+
+    forward_flops: dict[str, int]  # its module's forward, nested units included
+    saved_bytes: dict[str, int]  # activations its forward saves for backward (not parameters)
+    gathered_bytes: dict[str, int]
+    shard_bytes: dict[str, int]
+
+
+def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> float:
+    """Predicted step time: forward and backward (three forwards), recomputation, the bytes
+    the collectives send and the offloaded units' host traffic (shards in once per gather,
+    gradients out)."""
+    fwd = profile.forward_flops.get("", 0)
+    recompute = sum(profile.forward_flops.get(n, 0) for n, c in settings.units if c.checkpoint == "full")
+    host = sum(
+        profile.shard_bytes.get(n, 0) * (3 if c.reshard_after_forward else 2)
+        for n, c in settings.units
+        if c.offload
+    )
+    return rates.seconds(flops=3 * fwd + recompute, host=host, network=sent)
+
+
+def path(
+    names: list[str],
+    wrap,
+    sharded: tuple[str, str],
+    run: Callable[[Settings], object],
+    profile_of: Callable[[Settings], tuple[object, Profile]],
+    rates: Rates,
+    *,
+    world: int,
+    offload: bool,
+) -> tuple[list[Step], list[str]]:
+    """The path from DDP to the smallest configuration (see the module doc), and the moves
+    dropped on the way (they lowered nothing). ``names``: the units of ``wrap``, innermost
+    first, the root ("") last; ``sharded``: the strategy names for every unit kept gathered
+    and for some resharded (hybrid variants where planned so); ``run`` plans one
+    configuration; ``profile_of`` plans one and profiles its units."""
+    kept = Settings(sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names))
+    current, profile = profile_of(kept)
+    ddp = Settings("no_shard", None, (("", UnitConfig(reshard_after_forward=False)),))
+    e = run(ddp)
+    steps = [Step(ddp, e, seconds(ddp, e.sent, profile, rates), "DDP: nothing gathered, recomputed or offloaded")]
+    settings, dropped = kept, []
+    t = seconds(kept, current.sent, profile, rates)
+    if current.peak < e.peak:
+        why = f"shard parameters, gradients and optimizer state, every unit kept gathered to backward: {_delta(e, current, steps[0].seconds, t)}"
+        steps.append(Step(kept, current, t, why))
+    non_root = [n for n in names if n]
+    moves = [("reshard", n) for n in non_root] + [("recompute", n) for n in non_root]
+    moves += [("offload", n) for n in names] if offload else []
+
+    def price(move: tuple[str, str]) -> float:
+        """Predicted seconds per byte saved (the order moves are tried in)."""
+        kind, n = move
+        if kind == "reshard":
+            cost, saved = rates.seconds(network=profile.gathered_bytes[n] * (world - 1) / world), profile.gathered_bytes[n]
+        elif kind == "recompute":
+            cost, saved = rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
+        else:  # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
+            cost, saved = rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
+        return cost / saved if saved else float("inf")
+
+    for kind, n in sorted(moves, key=price):
+        trial = _moved(settings, kind, n, sharded)
+        e = run(trial)
+        label = f"{kind} {n or '<root>'}"
+        if e.peak >= current.peak:
+            dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
+            continue
+        t_new = seconds(trial, e.sent, profile, rates)
+        if e.peak < steps[-1].estimate.peak:
+            steps.append(Step(trial, e, t_new, f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}"))
+        settings, current = trial, e
+    return steps, dropped
+
+
+def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -> Settings:
+    """``settings`` with one unit's setting changed."""
+    change = {"reshard": {"reshard_after_forward": True}, "recompute": {"checkpoint": "full"}, "offload": {"offload": True}}
+    units = tuple((n, replace(c, **change[kind]) if n == name else c) for n, c in settings.units)
+    strategy = sharded[1] if any(c.reshard_after_forward for _, c in units) else sharded[0]
+    return Settings(strategy, settings.wrap, units)
+
+
+def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
+    """The first step of the path that fits ``budget`` (the fastest that does), and why."""
+    for i, s in enumerate(steps):
+        if s.estimate.peak <= budget:
+            share = f"{100 * s.estimate.peak / budget:.0f}%"
+            why = (
+                f"{describe(s.settings)}: predicted peak {_fmt(s.estimate.peak)} of {_fmt(budget)} ({share}), "
+                f"predicted step {1e3 * s.seconds:.1f} ms"
+            )
+            if i:
+                why += ". Faster configurations do not fit: " + "; ".join(
+                    f"{describe(f.settings)} needs {_fmt(f.estimate.peak)}" for f in steps[max(0, i - 3) : i]
+                )
+            return s, why
+    best = steps[-1]
+    return None, (
+        f"nothing fits {_fmt(budget)}: the smallest peak possible is {_fmt(best.estimate.peak)} "
+        f"({describe(best.settings)}). Lower the micro-batch, use more ranks, or use mixed precision."
+    )
+
+
+def describe(settings: Settings) -> str:
+    """A configuration in a few words: the strategy, then how many units do what."""
+    if settings.strategy == "no_shard":
+        return "no_shard (DDP)"
+    units = [c for n, c in settings.units if n]
+    parts = [settings.strategy]
+    if units:
+        parts.append(f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward")
+    for what, count in (
+        ("recomputed", sum(c.checkpoint == "full" for c in units)),
+        ("offloaded", sum(c.offload for _, c in settings.units)),
+    ):
+        if count:
+            parts.append(f"{count} {what}")
+    return ", ".join(parts)
+
+
+def table(settings: Settings) -> list[str]:
+    """The per-unit table of a configuration."""
+    lines = [f"  {'unit':<28}{'reshard after fwd':>18}{'checkpoint':>12}{'offload':>9}"]
+    for n, c in settings.units:
+        lines.append(
+            f"  {n or '<root>':<28}{'yes' if c.reshard_after_forward else 'no':>18}{c.checkpoint:>12}"
+            f"{'yes' if c.offload else 'no':>9}"
+        )
+    return lines
+
+
+def _delta(before, after, t0: float, t1: float) -> str:
+    return f"peak {_fmt(before.peak)} -> {_fmt(after.peak)}, step {1e3 * t0:.1f} -> {1e3 * t1:.1f} ms"
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
