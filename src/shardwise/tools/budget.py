@@ -18,11 +18,13 @@ Savings are estimated to order the moves (gathered bytes; the unit's saved activ
 its state); each move is then re-planned with the real runtime on fake tensors, kept if the
 predicted peak went down and dropped if not. The path does not depend on the budget: every
 budget takes the first configuration on it that fits, so a larger budget never gets a
-slower one, and the last is the smallest peak possible with these moves.
+slower one, and the last is the smallest peak possible with these moves. A choice keeps a
+margin under the budget (``MARGIN``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -127,10 +129,21 @@ def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -
     return Settings(strategy, settings.wrap, units)
 
 
+# the headroom a choice keeps under the budget: the planner's peaks matched MemTracker's to
+# within bytes on CPU (docs/tools.md), but a prediction is not a measurement
+MARGIN = 0.01
+
+
+def needs(step: Step) -> int:
+    """The smallest budget ``step`` is chosen for: its predicted peak and the margin."""
+    return math.ceil(step.estimate.peak * (1 + MARGIN))
+
+
 def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
-    """The first step of the path that fits ``budget`` (the fastest that does), and why."""
+    """The first step of the path that fits ``budget`` with the margin (the fastest that
+    does), and why."""
     for i, s in enumerate(steps):
-        if s.estimate.peak <= budget:
+        if needs(s) <= budget:
             share = f"{100 * s.estimate.peak / budget:.0f}%"
             why = (
                 f"{describe(s.settings)}: predicted peak {_fmt(s.estimate.peak)} of {_fmt(budget)} ({share}), "
@@ -144,7 +157,8 @@ def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
     best = steps[-1]
     return None, (
         f"nothing fits {_fmt(budget)}: the smallest peak possible is {_fmt(best.estimate.peak)} "
-        f"({describe(best.settings)}). Lower the micro-batch, use more ranks, or use mixed precision."
+        f"({describe(best.settings)}), which needs a budget of {_fmt(needs(best))} with the "
+        f"{MARGIN:.0%} margin. Lower the micro-batch, use more ranks, or use mixed precision."
     )
 
 
