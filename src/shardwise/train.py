@@ -275,6 +275,7 @@ def worker(cfg: TrainConfig) -> dict:
     C.blocking("all_gather", "summary", dist.all_gather_object, rows, row)
     summary = {
         "config": asdict(cfg),
+        "strategy": strategy,  # the plan's, with --memory-budget
         "world_size": world,
         "device": str(device),
         "first_loss": first_loss,
@@ -402,7 +403,7 @@ def render_summary(s: dict) -> str:
     lines = [
         f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}   "
         f"{s['tokens_per_s'] / 1000:.1f}k tokens/s   {n} ranks on {s['device']}   "
-        f"strategy {s['config']['strategy']}, wrap {s['config']['wrap']}",
+        f"strategy {s['strategy']}, wrap {s['config']['wrap']}",
         "",
         "memory held per rank (MiB)      params    grads  optimizer    total   DDP total",
     ]
@@ -426,7 +427,8 @@ def render_summary(s: dict) -> str:
     lines.append(
         f"  mixed precision {cfg['mixed_precision']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
         f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}, "
-        f"compiled blocks {'on' if cfg['compile'] else 'off'}"
+        + (f"memory budget {cfg['memory_budget']} (the plan above, per block), " if cfg["memory_budget"] else "")
+        + f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )
     hybrid = theory["replicas"] > 1
     lines += [
