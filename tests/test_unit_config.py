@@ -20,12 +20,47 @@ MIXED = Settings(
 )
 
 
+# activation offload on the root and a block, not on the blocks between (they keep their own)
+OFFLOADED = Settings(
+    strategy="full_shard",
+    wrap=BLOCK,
+    units=(
+        ("blocks.0", UnitConfig(offload_activations=True)),
+        ("blocks.1", UnitConfig(checkpoint="full")),
+        ("blocks.2", UnitConfig(reshard_after_forward=False)),
+        ("", UnitConfig(offload_activations=True)),
+    ),
+)
+
+
+@pytest.mark.parametrize("settings", [MIXED, OFFLOADED], ids=["mixed", "activation_offload"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_mixed_plan_trains_like_one_process(pools, world_size):
-    losses, ref_losses, diff, moved = pools(world_size).run(train_pair, "tied", None, None, plan=MIXED)[0]
+def test_mixed_plan_trains_like_one_process(pools, world_size, settings):
+    losses, ref_losses, diff, moved = pools(world_size).run(train_pair, "tied", None, None, plan=settings)[0]
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert a == pytest.approx(b, rel=1e-5), f"step {step}: sharded {a} vs reference {b}"
     assert moved > 0.05 and diff <= 1e-5
+
+
+def offloaded_bytes(settings) -> tuple[int, int]:
+    """Bytes the activation offload copied in one step, and the same with blocks.0 alone."""
+    import torch
+    from nets import batch, loss_of
+
+    out = []
+    for s in (settings, Settings(settings.strategy, settings.wrap, ((n, UnitConfig(offload_activations=n == "blocks.0")) for n, _ in settings.units))):
+        model = shardwise.shard(TiedTransformer(), plan=Settings(s.strategy, s.wrap, tuple(s.units)))
+        x, y = batch("tied", 0, 2)
+        loss_of(model, x, y).backward()
+        with torch.no_grad():  # no grad: nothing saved, nothing copied
+            model(x)
+        out.append(model._shardwise.activations.bytes_out)
+    return tuple(out)
+
+
+def test_activation_offload_copies_what_is_saved(pools):
+    both, block = pools(1).run(offloaded_bytes, OFFLOADED)[0]
+    assert 0 < block < both  # the root's own activations too, not the blocks' that keep theirs
 
 
 def applied(settings):
@@ -58,6 +93,8 @@ def test_contradictions_are_refused(pools):
     pool = pools(1)
     assert "strategy='no_shard'" in pool.run(refused, MIXED, strategy="no_shard")[0]
     assert "drop it" in pool.run(refused, MIXED, cpu_offload=True)[0]
+    with pytest.raises(shardwise.ShardwiseError, match="choose one"):
+        UnitConfig(checkpoint="full", offload_activations=True)
     root_ckpt = Settings("full_shard", BLOCK, MIXED.units[:3] + (("", UnitConfig(checkpoint="full")),))
     assert "root unit" in pool.run(refused, root_ckpt)[0]
     missing = Settings("full_shard", BLOCK, MIXED.units[1:])

@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import collectives as C
 from . import flight, groups, streams
 from . import placement as placements
+from .activations import offload_activations
 from .build import (
     UnitPlan,
     assign_params,
@@ -84,7 +85,8 @@ def shard(
 
     plan: what ``shardwise.plan(..., budget=...)`` chose (a ``Plan`` or its ``.settings``, a
     ``policies.Settings``): its wrap policy, strategy and per-unit settings are applied as
-    they are (``UnitConfig``: reshard after forward, activation checkpointing, offload), so
+    they are (``UnitConfig``: reshard after forward, activation checkpointing, offload of
+    the unit's state and of its activations), so
     what was predicted is what runs. ``wrap``, ``strategy`` and ``cpu_offload`` then come from
     the plan and must not be passed as well.
 
@@ -196,6 +198,9 @@ def shard(
     recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == "full"}
     if recomputed:
         checkpoint_activations(module, lambda m, name: name in recomputed)
+    offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
+    if offloaded:
+        module._shardwise.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
     _install_optimizer_guard()
     if init_from is not None:
         from .checkpoint import load_full  # checkpoint builds on this module

@@ -94,15 +94,23 @@ class UnitConfig:
     under torch.utils.checkpoint); "none" keeps them.
     offload: the unit's parameter shards, their gradients and so its optimizer state live in
     host memory (``cpu_offload`` for this unit alone).
+    offload_activations: the activations the unit's forward saves for backward wait in host
+    memory, and come back ahead of its backward (activations.py); not with checkpoint="full".
     """
 
     reshard_after_forward: bool = True
     checkpoint: Literal["none", "full"] = "none"
     offload: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint not in ("none", "full"):
             raise ShardwiseError(f"UnitConfig(checkpoint={self.checkpoint!r}): use 'none' or 'full'")
+        if self.offload_activations and self.checkpoint == "full":
+            raise ShardwiseError(
+                "UnitConfig(checkpoint='full', offload_activations=True): a recomputed unit keeps "
+                "only its inputs, there is nothing to offload; choose one"
+            )
 
 
 @dataclass(frozen=True)
