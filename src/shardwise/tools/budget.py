@@ -16,7 +16,7 @@ at a time, the cheapest memory saving per predicted second first:
 
 Savings are estimated to order the moves (gathered bytes; the unit's saved activations;
 its state); each move is then re-planned with the real runtime on fake tensors, kept if the
-predicted peak went down and dropped if not. The path does not depend on the budget: every
+predicted peak went down (by ``LEAST`` of it at least) and dropped if not. The path does not depend on the budget: every
 budget takes the first configuration on it that fits, so a larger budget never gets a
 slower one, and the last is the smallest peak possible with these moves. A choice keeps a
 margin under the budget (``MARGIN``).
@@ -30,6 +30,9 @@ from dataclasses import dataclass, replace
 
 from ..policies import Settings, UnitConfig
 from .costs import Rates
+
+
+LEAST = 1e-3  # a move that lowers the peak by less than this share costs time for nothing
 
 
 @dataclass(frozen=True)
@@ -99,19 +102,21 @@ def path(
     def price(move: tuple[str, str]) -> float:
         """Predicted seconds per byte saved (the order moves are tried in)."""
         kind, n = move
-        if kind == "reshard":
-            cost, saved = rates.seconds(network=profile.gathered_bytes[n] * (world - 1) / world), profile.gathered_bytes[n]
+        if kind == "reshard":  # (one rank without a cast: the gathered parameters are the shard)
+            gathered = profile.gathered_bytes[n]
+            saved = gathered if world > 1 or gathered != profile.shard_bytes[n] else 0
+            cost = rates.seconds(network=gathered * (world - 1) / world)
         elif kind == "recompute":
             cost, saved = rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
         else:  # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
             cost, saved = rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
-        return cost / saved if saved else float("inf")
+        return cost / saved if saved else float("inf")  # (saves nothing: not tried)
 
-    for kind, n in sorted(moves, key=price):
+    for kind, n in sorted((m for m in moves if price(m) < float("inf")), key=price):
         trial = _moved(settings, kind, n, sharded)
         e = run(trial)
         label = f"{kind} {n or '<root>'}"
-        if e.peak >= current.peak:
+        if e.peak > current.peak * (1 - LEAST):
             dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
             continue
         t_new = seconds(trial, e.sent, profile, rates)
