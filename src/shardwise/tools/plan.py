@@ -546,7 +546,7 @@ def plan(
 
         if budget is None:
             for s in strategies:
-                uniform = _uniform(names if s != "no_shard" else [""], s, wrap, cpu_offload and s != "no_shard")
+                uniform = _uniform(names, s, wrap, cpu_offload and s != "no_shard")
                 estimates.append(run(uniform, activation_checkpointing is not None))
         else:
             def profile_of(settings: Settings) -> tuple[Estimate, search.Profile]:
@@ -581,9 +581,7 @@ def _uniform(names: list[str], strategy: str, wrap: Policy | None, offload: bool
     """One setting for every unit, as a strategy name means it (``offload``: cpu_offload)."""
     keep = Sharding.of(strategy).reshard_after_forward
     return Settings(
-        strategy,
-        wrap if strategy != "no_shard" else None,
-        tuple((n, UnitConfig(reshard_after_forward=keep and bool(n), offload=offload)) for n in names),
+        strategy, wrap, tuple((n, UnitConfig(reshard_after_forward=keep and bool(n), offload=offload)) for n in names)
     )
 
 
