@@ -114,13 +114,18 @@ def run(out: Path, cuda: bool) -> None:
         if not (r and a) and (cuda or not (o or a)):
             configs[f"grid reshard={int(rs)} recompute={int(r)} offload={int(o)} act_offload={int(a)}"] = uniform(names, rs, r, o, a)
     measured = {}
-    for label, settings in configs.items():
-        m = measure(settings, cuda, cfg, batch)
+    # two passes, the second in reverse order, each configuration's faster median kept: the
+    # first runs of a process (and a shared machine's load) otherwise weigh on whichever is first
+    for label in [*configs, *reversed(configs)]:
+        m = measure(configs[label], cuda, cfg, batch)
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, m["peak"])
         m["peak"] = max(peaks)  # the largest rank's, as the plan predicts rank 0's (equal here)
+        if label in measured:
+            m["ms"] = min(m["ms"], measured[label]["ms"])
         measured[label] = m
-        if rank0:
+    if rank0:
+        for label, m in measured.items():
             print(f"{label:<52} peak {m['peak'] / 2**20:9.2f} MiB  step {m['ms']:7.1f} ms", flush=True)
     if not rank0:
         return

@@ -65,10 +65,10 @@ def test_activation_offload_copies_what_is_saved(pools):
 
 def applied(settings):
     """What shard(plan=settings) made of each unit: (reshards after forward, recomputes,
-    where its shard lives)."""
+    offloads its state)."""
     model = shardwise.shard(TiedTransformer(), plan=settings)
     return {
-        u.label: (u.reshard_after_forward, getattr(u.module, "_shardwise_checkpointed", False), u.flat_shard.device.type)
+        u.label: (u.reshard_after_forward, getattr(u.module, "_shardwise_checkpointed", False), u.offloaded)
         for u in shardwise.units(model)
     }
 
@@ -76,10 +76,10 @@ def applied(settings):
 def test_plan_is_applied_as_it_is(pools):
     units = pools(1).run(applied, MIXED)[0]
     assert units == {
-        "blocks.0": (True, True, "cpu"),
-        "blocks.1": (False, False, "cpu"),
-        "blocks.2": (True, True, "cpu"),
-        "<root>": (False, False, "cpu"),
+        "blocks.0": (True, True, False),
+        "blocks.1": (False, False, True),
+        "blocks.2": (True, True, True),
+        "<root>": (False, False, False),
     }
 
 

@@ -2,8 +2,9 @@
 end-of-backward callback. One ``Runtime`` per sharded model.
 
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
-the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
-all but the root) and registers the pre-backward hook on the unit's outputs. Backward: the
+the unit that ran next on the previous iteration; its post-forward hook reshards (a unit that
+reshards after forward: full_shard's, or as a plan's ``UnitConfig`` says; never the root) and
+registers the pre-backward hook on the unit's outputs. Backward: the
 pre-backward hook gathers again and prefetches in backward order; an identity autograd
 function on the unit's inputs marks the end of its backward, where it reshards and issues its
 reduce-scatter (Note [when a unit reduces]), while earlier layers still compute, after
