@@ -30,6 +30,15 @@ def planned(name: str) -> P.Plan:
     )
 
 
+def step(name, model, opt, loss_fn) -> None:
+    """One training step (the batch made inside, as the planner's is: MemTracker counts it)."""
+    x, y = real_batch(name, dist.get_rank())
+    loss = loss_fn(model, x, y) if loss_fn else model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def measure_settings(name: str, settings_list) -> list[int]:
     """MemTracker's peak over a steady-state step of each configuration, as shard(plan=) applies it."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -40,21 +49,13 @@ def measure_settings(name: str, settings_list) -> list[int]:
         torch.manual_seed(0)
         model = shardwise.shard(build(), plan=settings)
         opt = torch.optim.AdamW(model.parameters())
-
-        def step():
-            x, y = real_batch(name, dist.get_rank())
-            loss = loss_fn(model, x, y) if loss_fn else model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()
+        step(name, model, opt, loss_fn)
         tracker = MemTracker()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tracker.track_external(model, opt, *kept_buckets(model))
             with tracker:
-                step()
+                step(name, model, opt, loss_fn)
         peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
     return peaks
 

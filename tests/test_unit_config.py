@@ -104,3 +104,15 @@ def test_contradictions_are_refused(pools):
     assert "policies.Settings" in pool.run(refused, "fast")[0]
     with pytest.raises(shardwise.ShardwiseError, match="'none' or 'full'"):
         UnitConfig(checkpoint="half")
+
+
+def test_settings_travel_and_compare_by_what_they_select():
+    """plan() broadcasts its plan to every rank: settings pickle, wrap policies included (a
+    used by_size's cache stays behind), and equal policies make equal settings."""
+    import pickle
+
+    sized = shardwise.wrap.by_size(150)
+    sized(TiedTransformer(), "")  # fills its cache
+    for settings in (MIXED, Settings("full_shard", sized, (("", UnitConfig()),))):
+        assert pickle.loads(pickle.dumps(settings)) == settings
+    assert shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__) == BLOCK

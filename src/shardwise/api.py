@@ -145,8 +145,8 @@ def shard(
         for p, lay, c in zip(plans, layouts, configs)
     ]
     where = {}
-    for ui, plan in enumerate(plans):
-        for si, p in enumerate(plan.params):
+    for ui, up in enumerate(plans):
+        for si, p in enumerate(up.params):
             where[p] = (ui, si)
 
     def keep_rows(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
@@ -155,12 +155,12 @@ def shard(
             fill_slot(flats[ui], layouts[ui].slots[si], rank if sharded else 0, v)
 
     with torch.no_grad():
-        if any(p.is_meta for plan in plans for p in plan.params) or any(b.is_meta for b in module.buffers()):
+        if any(p.is_meta for up in plans for p in up.params) or any(b.is_meta for b in module.buffers()):
             materialize(module, device, init, keep_rows, whole)
-        for plan in plans:
-            eager = [p for p in plan.params if not p.is_meta]
+        for up in plans:
+            eager = [p for p in up.params if not p.is_meta]
             if eager:
-                keep_rows(eager, broadcast_from_rank0(eager, device, whole, plan.label))
+                keep_rows(eager, broadcast_from_rank0(eager, device, whole, up.label))
         for name, b in module.named_buffers():
             if not b.is_meta:
                 b.data = broadcast_from_rank0([b], device, whole, name)[0].clone()
@@ -169,28 +169,28 @@ def shard(
 
     side_streams = streams.for_device(device)
     units: list[Unit] = []
-    for plan, lay, flat, config in zip(plans, layouts, flats, configs):
-        rg = [p.requires_grad for p in plan.params]
+    for up, lay, flat, config in zip(plans, layouts, flats, configs):
+        rg = [p.requires_grad for p in up.params]
         if sharded:
             units.append(
                 ShardedUnit(
-                    plan.module, plan.name, plan.registrations, group, lay, flat, rg,
+                    up.module, up.name, up.registrations, group, lay, flat, rg,
                     device=device, precision=precision, offload=config.offload, streams=side_streams,
                     replicate=layout_mesh.replicate,
-                    reshard_after_forward=config.reshard_after_forward and not plan.is_root,
+                    reshard_after_forward=config.reshard_after_forward and not up.is_root,
                 )
             )
         else:
             params = [
                 shard_param(v, r, slot, 1) for v, r, slot in zip(lay.unsharded_views(flat), rg, lay.slots)
             ]
-            for r in plan.registrations:
+            for r in up.registrations:
                 r.module._parameters[r.attr] = params[r.index]
             units.append(
-                ReplicatedUnit(plan.module, plan.name, plan.registrations, group, params, precision=precision)
+                ReplicatedUnit(up.module, up.name, up.registrations, group, params, precision=precision)
             )
-        for r in plan.registrations:
-            _retire(plan.params[r.index], r.fqn)
+        for r in up.registrations:
+            _retire(up.params[r.index], r.fqn)
     module._shardwise = Runtime(
         module, units, strategy or "full_shard", sharding, layout_mesh, max_unsharded, precision,
         groups.host_group(whole),

@@ -71,6 +71,9 @@ class by_size:
     def __eq__(self, other) -> bool:
         return isinstance(other, by_size) and self.min_params == other.min_params
 
+    def __reduce__(self):  # without its cache (a plan travels to every rank: plan() broadcasts it)
+        return by_size, (self.min_params,)
+
     def __hash__(self) -> int:
         return hash(self.min_params)
 

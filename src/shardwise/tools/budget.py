@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 from ..policies import Settings, UnitConfig
 from .costs import Rates
 
-
 LEAST = 1e-3  # a move that lowers the peak by less than this share costs time for nothing
 
 
