@@ -33,7 +33,22 @@ OFFLOADED = Settings(
 )
 
 
-@pytest.mark.parametrize("settings", [MIXED, OFFLOADED], ids=["mixed", "activation_offload"])
+# selective checkpointing (keep the products, recompute the rest) beside full
+SELECTIVE = Settings(
+    strategy="full_shard",
+    wrap=BLOCK,
+    units=(
+        ("blocks.0", UnitConfig(checkpoint="selective")),
+        ("blocks.1", UnitConfig(checkpoint="full")),
+        ("blocks.2", UnitConfig(reshard_after_forward=False, checkpoint="selective")),
+        ("", UnitConfig(reshard_after_forward=False)),
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "settings", [MIXED, OFFLOADED, SELECTIVE], ids=["mixed", "activation_offload", "selective"]
+)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_mixed_plan_trains_like_one_process(pools, world_size, settings):
     losses, ref_losses, diff, moved = pools(world_size).run(train_pair, "tied", None, None, plan=settings)[0]
@@ -102,7 +117,7 @@ def test_contradictions_are_refused(pools):
     extra = Settings("full_shard", BLOCK, MIXED.units + (("head", UnitConfig()),))
     assert "['head']" in pool.run(refused, extra)[0]
     assert "policies.Settings" in pool.run(refused, "fast")[0]
-    with pytest.raises(shardwise.ShardwiseError, match="'none' or 'full'"):
+    with pytest.raises(shardwise.ShardwiseError, match="'none', 'selective' or 'full'"):
         UnitConfig(checkpoint="half")
 
 

@@ -195,9 +195,10 @@ def shard(
         module, units, strategy or "full_shard", sharding, layout_mesh, max_unsharded, precision,
         groups.host_group(whole),
     )
-    recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == "full"}
-    if recomputed:
-        checkpoint_activations(module, lambda m, name: name in recomputed)
+    for kind in ("full", "selective"):
+        recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
+        if recomputed:
+            checkpoint_activations(module, lambda m, name, r=recomputed: name in r, selective=kind == "selective")
     offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
     if offloaded:
         module._shardwise.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
@@ -242,8 +243,8 @@ def _check_configs(plans: list[UnitPlan], configs: list[UnitConfig], settings: S
     for p, c in zip(plans, configs):
         if p.is_root and c.checkpoint != "none":
             raise ShardwiseError(
-                "UnitConfig(checkpoint='full') on the root unit would recompute the whole model: "
-                "checkpoint wrapped units instead"
+                f"UnitConfig(checkpoint={c.checkpoint!r}) on the root unit would recompute the whole "
+                "model: checkpoint wrapped units instead"
             )
 
 

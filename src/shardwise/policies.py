@@ -91,25 +91,28 @@ class UnitConfig:
     again for backward (full_shard), or keep them to backward (shard_grad_op). The root never
     reshards after forward (backward needs it first).
     checkpoint: "full" recomputes the unit's activations in backward (its module's forward
-    under torch.utils.checkpoint); "none" keeps them.
+    under torch.utils.checkpoint); "selective" keeps the outputs of its matrix products and
+    attention and recomputes the rest; "none" keeps them all.
     offload: the unit's parameter shards, their gradients and so its optimizer state live in
     host memory (``cpu_offload`` for this unit alone).
     offload_activations: the activations the unit's forward saves for backward wait in host
-    memory, and come back ahead of its backward (activations.py); not with checkpoint="full".
+    memory, and come back ahead of its backward (activations.py); not with checkpointing.
     """
 
     reshard_after_forward: bool = True
-    checkpoint: Literal["none", "full"] = "none"
+    checkpoint: Literal["none", "selective", "full"] = "none"
     offload: bool = False
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        if self.checkpoint not in ("none", "full"):
-            raise ShardwiseError(f"UnitConfig(checkpoint={self.checkpoint!r}): use 'none' or 'full'")
-        if self.offload_activations and self.checkpoint == "full":
+        if self.checkpoint not in ("none", "selective", "full"):
             raise ShardwiseError(
-                "UnitConfig(checkpoint='full', offload_activations=True): a recomputed unit keeps "
-                "only its inputs, there is nothing to offload; choose one"
+                f"UnitConfig(checkpoint={self.checkpoint!r}): use 'none', 'selective' or 'full'"
+            )
+        if self.offload_activations and self.checkpoint != "none":
+            raise ShardwiseError(
+                f"UnitConfig(checkpoint={self.checkpoint!r}, offload_activations=True): a unit "
+                "either recomputes its activations or offloads them; choose one"
             )
 
 

@@ -10,7 +10,9 @@ at a time, the cheapest memory saving per predicted second first:
 - reshard a unit after forward: it is gathered again for backward (one more all-gather of
   its parameters over the network) and frees them in between;
 - recompute a unit (activation checkpointing): its forward again in backward, for the bytes
-  its activations held;
+  its activations held; or selectively: keep its matrix products' and attention's outputs and
+  recompute only the operations between (priced as one pass over its activations at the
+  host copy rate, a stand-in for memory bandwidth, for an estimated half of their bytes);
 - offload a unit's state (on a GPU only: on a CPU run host and device are one memory, Note
   [one memory] in plan.py): its shards, gradients and optimizer state cross the host link.
 
@@ -60,12 +62,13 @@ def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> fl
     gradients out)."""
     fwd = profile.forward_flops.get("", 0)
     recompute = sum(profile.forward_flops.get(n, 0) for n, c in settings.units if c.checkpoint == "full")
+    passes = sum(profile.saved_bytes.get(n, 0) for n, c in settings.units if c.checkpoint == "selective")
     host = sum(
         profile.shard_bytes.get(n, 0) * (3 if c.reshard_after_forward else 2)
         for n, c in settings.units
         if c.offload
     )
-    return rates.seconds(flops=3 * fwd + recompute, host=host, network=sent)
+    return rates.seconds(flops=3 * fwd + recompute, host=host + passes, network=sent)
 
 
 def path(
@@ -95,7 +98,7 @@ def path(
         why = f"shard parameters, gradients and optimizer state, every unit kept gathered to backward: {_delta(e, current, steps[0].seconds, t)}"
         steps.append(Step(kept, current, t, why))
     non_root = [n for n in names if n]
-    moves = [("reshard", n) for n in non_root] + [("recompute", n) for n in non_root]
+    moves = [(kind, n) for kind in ("reshard", "recompute", "selective") for n in non_root]
     moves += [("offload", n) for n in names] if offload else []
 
     def price(move: tuple[str, str]) -> float:
@@ -107,11 +110,16 @@ def path(
             cost = rates.seconds(network=gathered * (world - 1) / world)
         elif kind == "recompute":
             cost, saved = rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
+        elif kind == "selective":
+            saved = profile.saved_bytes.get(n, 0) // 2
+            cost = rates.seconds(host=profile.saved_bytes.get(n, 0))
         else:  # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
             cost, saved = rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
         return cost / saved if saved else float("inf")  # (saves nothing: not tried)
 
     for kind, n in sorted((m for m in moves if price(m) < float("inf")), key=price):
+        if kind == "selective" and settings.of(n).checkpoint == "full":
+            continue  # (recomputed whole already: keeping more would save nothing)
         trial = _moved(settings, kind, n, sharded)
         e = run(trial)
         label = f"{kind} {n or '<root>'}"
@@ -127,7 +135,12 @@ def path(
 
 def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -> Settings:
     """``settings`` with one unit's setting changed."""
-    change = {"reshard": {"reshard_after_forward": True}, "recompute": {"checkpoint": "full"}, "offload": {"offload": True}}
+    change = {
+        "reshard": {"reshard_after_forward": True},
+        "recompute": {"checkpoint": "full"},
+        "selective": {"checkpoint": "selective"},
+        "offload": {"offload": True},
+    }
     units = tuple((n, replace(c, **change[kind]) if n == name else c) for n, c in settings.units)
     strategy = sharded[1] if any(c.reshard_after_forward for _, c in units) else sharded[0]
     return Settings(strategy, settings.wrap, units)
@@ -176,6 +189,7 @@ def describe(settings: Settings) -> str:
         parts.append(f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward")
     for what, count in (
         ("recomputed", sum(c.checkpoint == "full" for c in units)),
+        ("recomputed selectively", sum(c.checkpoint == "selective" for c in units)),
         ("offloaded", sum(c.offload for _, c in settings.units)),
     ):
         if count:

@@ -344,7 +344,7 @@ def _estimate(
         world_size=data["world_size"],
         mixed_precision=precision_name,
         cpu_offload=any(offloaded),
-        activation_checkpointing=checkpointing or any(c.checkpoint == "full" for _, c in settings.units),
+        activation_checkpointing=checkpointing or any(c.checkpoint != "none" for _, c in settings.units),
         units=tuple(
             UnitRow(u["name"], u["params"], u["shard_bytes"], u["gathered_bytes"], tuple(map(tuple, u.get("owned", ()))))
             for u in data["units"]
