@@ -17,8 +17,9 @@ at a time, the cheapest memory saving per predicted second first:
   [one memory] in plan.py): its shards, gradients and optimizer state cross the host link.
 
 Savings are estimated to order the moves (gathered bytes; the unit's saved activations;
-its state); each move is then re-planned with the real runtime on fake tensors, kept if the
-predicted peak went down (by ``LEAST`` of it at least) and dropped if not. The path does not depend on the budget: every
+its state), each kind's scaled by what its last kept move really saved of its estimate; each
+move is then re-planned with the real runtime on fake tensors, kept if the predicted peak went
+down (by ``LEAST`` of it at least) and dropped if not. The path does not depend on the budget: every
 budget takes the first configuration on it that fits, so a larger budget never gets a
 slower one, and the last is the smallest peak possible with these moves. A choice keeps a
 margin under the budget (``MARGIN``).
@@ -101,23 +102,33 @@ def path(
     moves = [(kind, n) for kind in ("reshard", "recompute", "selective") for n in non_root]
     moves += [("offload", n) for n in names] if offload else []
 
-    def price(move: tuple[str, str]) -> float:
-        """Predicted seconds per byte saved (the order moves are tried in)."""
+    def estimate(move: tuple[str, str]) -> tuple[float, float]:
+        """Predicted seconds a move adds and bytes it saves, before it is planned."""
         kind, n = move
         if kind == "reshard":  # (one rank without a cast: the gathered parameters are the shard)
             gathered = profile.gathered_bytes[n]
             saved = gathered if world > 1 or gathered != profile.shard_bytes[n] else 0
-            cost = rates.seconds(network=gathered * (world - 1) / world)
-        elif kind == "recompute":
-            cost, saved = rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
-        elif kind == "selective":
-            saved = profile.saved_bytes.get(n, 0) // 2
-            cost = rates.seconds(host=profile.saved_bytes.get(n, 0))
-        else:  # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
-            cost, saved = rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
-        return cost / saved if saved else float("inf")  # (saves nothing: not tried)
+            return rates.seconds(network=gathered * (world - 1) / world), saved
+        if kind == "recompute":
+            return rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
+        if kind == "selective":
+            return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(n, 0) / 2
+        # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
+        return rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
 
-    for kind, n in sorted((m for m in moves if price(m) < float("inf")), key=price):
+    # what the last kept move of each kind saved of its estimate: the next of its kind is
+    # priced with it (savings estimated from bytes held miss when those bytes are held)
+    learned: dict[str, float] = {}
+
+    def price(move: tuple[str, str]) -> float:
+        """Predicted seconds per byte saved: the cheapest is tried next."""
+        cost, saved = estimate(move)
+        return cost / (saved * learned.get(move[0], 1.0))
+
+    remaining = [m for m in moves if estimate(m)[1] > 0]  # (a move that saves nothing: not tried)
+    while remaining:
+        kind, n = min(remaining, key=price)
+        remaining.remove((kind, n))
         if kind == "selective" and settings.of(n).checkpoint == "full":
             continue  # (recomputed whole already: keeping more would save nothing)
         trial = _moved(settings, kind, n, sharded)
@@ -126,6 +137,7 @@ def path(
         if e.peak > current.peak * (1 - LEAST):
             dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
             continue
+        learned[kind] = (current.peak - e.peak) / estimate((kind, n))[1]
         t_new = seconds(trial, e.sent, profile, rates)
         if e.peak < steps[-1].estimate.peak:
             steps.append(Step(trial, e, t_new, f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}"))
