@@ -80,19 +80,36 @@ def measure(settings: Settings, cuda: bool, cfg, batch: int) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if step == 1:
-            peak = torch.cuda.max_memory_allocated() if cuda else tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+            peak = (
+                torch.cuda.max_memory_allocated()
+                if cuda
+                else tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+            )
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return {"peak": peak, "ms": 1e3 * statistics.median(times[2:]), "losses": losses}
 
 
-def uniform(names: list[str], reshard: bool, recompute: bool, offload: bool, activations: bool) -> Settings:
-    return Settings("full_shard" if reshard else "shard_grad_op", shardwise.wrap.by_class(Block), tuple(
-        (n, UnitConfig(reshard_after_forward=reshard and bool(n), checkpoint="full" if recompute and n else "none",
-                       offload=offload, offload_activations=activations and bool(n) and not recompute))
-        for n in names
-    ))
+def uniform(
+    names: list[str], reshard: bool, recompute: bool, offload: bool, activations: bool
+) -> Settings:
+    return Settings(
+        "full_shard" if reshard else "shard_grad_op",
+        shardwise.wrap.by_class(Block),
+        tuple(
+            (
+                n,
+                UnitConfig(
+                    reshard_after_forward=reshard and bool(n),
+                    checkpoint="full" if recompute and n else "none",
+                    offload=offload,
+                    offload_activations=activations and bool(n) and not recompute,
+                ),
+            )
+            for n in names
+        ),
+    )
 
 
 def run(out: Path, cuda: bool) -> None:
@@ -100,11 +117,19 @@ def run(out: Path, cuda: bool) -> None:
     os.environ.setdefault("SHARDWISE_CACHE", str(out / "cache"))
     shardwise.init()
     torch.set_num_threads(1 if not cuda else torch.get_num_threads())
-    cfg, batch = (gpt_config("small", seq_len=1024), 8) if cuda else (gpt_config("small", seq_len=64), 4)
+    cfg, batch = (
+        (gpt_config("small", seq_len=1024), 8) if cuda else (gpt_config("small", seq_len=64), 4)
+    )
     rank0 = dist.get_rank() == 0
     t0 = time.perf_counter()
-    p = P.plan(functools.partial(GPT, cfg), world_size=dist.get_world_size(), wrap=shardwise.wrap.by_class(Block),
-               batch_size=batch, backend="nccl" if cuda else "gloo", budget="1TiB")
+    p = P.plan(
+        functools.partial(GPT, cfg),
+        world_size=dist.get_world_size(),
+        wrap=shardwise.wrap.by_class(Block),
+        batch_size=batch,
+        backend="nccl" if cuda else "gloo",
+        budget="1TiB",
+    )
     plan_s = time.perf_counter() - t0
     if rank0:
         print(p, f"\nplanned in {plan_s:.1f} s", flush=True)
@@ -112,7 +137,9 @@ def run(out: Path, cuda: bool) -> None:
     configs = {f"path {i}": s.settings for i, s in enumerate(p.path)}
     for rs, r, o, a in itertools.product([False, True], repeat=4):
         if not (r and a) and (cuda or not (o or a)):
-            configs[f"grid reshard={int(rs)} recompute={int(r)} offload={int(o)} act_offload={int(a)}"] = uniform(names, rs, r, o, a)
+            configs[
+                f"grid reshard={int(rs)} recompute={int(r)} offload={int(o)} act_offload={int(a)}"
+            ] = uniform(names, rs, r, o, a)
     measured = {}
     # two passes, the second in reverse order, each configuration's faster median kept: the
     # first runs of a process (and a shared machine's load) otherwise weigh on whichever is first
@@ -126,7 +153,9 @@ def run(out: Path, cuda: bool) -> None:
         measured[label] = m
     if rank0:
         for label, m in measured.items():
-            print(f"{label:<52} peak {m['peak'] / 2**20:9.2f} MiB  step {m['ms']:7.1f} ms", flush=True)
+            print(
+                f"{label:<52} peak {m['peak'] / 2**20:9.2f} MiB  step {m['ms']:7.1f} ms", flush=True
+            )
     if not rank0:
         return
     smallest, ddp = search.needs(p.path[-1]), search.needs(p.path[0])
@@ -138,27 +167,47 @@ def run(out: Path, cuda: bool) -> None:
         m = measured[label]
         fits = [(v["ms"], k) for k, v in measured.items() if v["peak"] <= b]
         best_ms, best = min(fits)
-        rows.append({
-            "budget": b, "chosen": label, "what": search.describe(step.settings),
-            "predicted": step.estimate.peak, "measured": m["peak"], "ms": m["ms"],
-            "fastest_fitting": best, "fastest_ms": best_ms,
-        })
-        print(f"budget {b / 2**20:9.1f} MiB: {label} ({search.describe(step.settings)}) predicted "
-              f"{step.estimate.peak / 2**20:.1f}, measured {m['peak'] / 2**20:.1f} MiB "
-              f"({(step.estimate.peak - m['peak']) / m['peak']:+.2%}), fits: {m['peak'] <= b}; "
-              f"{m['ms']:.1f} ms vs fastest fitting {best} {best_ms:.1f} ms ({m['ms'] / best_ms - 1:+.1%})",
-              flush=True)
+        rows.append(
+            {
+                "budget": b,
+                "chosen": label,
+                "what": search.describe(step.settings),
+                "predicted": step.estimate.peak,
+                "measured": m["peak"],
+                "ms": m["ms"],
+                "fastest_fitting": best,
+                "fastest_ms": best_ms,
+            }
+        )
+        print(
+            f"budget {b / 2**20:9.1f} MiB: {label} ({search.describe(step.settings)}) predicted "
+            f"{step.estimate.peak / 2**20:.1f}, measured {m['peak'] / 2**20:.1f} MiB "
+            f"({(step.estimate.peak - m['peak']) / m['peak']:+.2%}), fits: {m['peak'] <= b}; "
+            f"{m['ms']:.1f} ms vs fastest fitting {best} {best_ms:.1f} ms ({m['ms'] / best_ms - 1:+.1%})",
+            flush=True,
+        )
     same = None
     if cuda:
         kept = measured["grid reshard=0 recompute=0 offload=0 act_offload=0"]
         act = measured["grid reshard=0 recompute=0 offload=0 act_offload=1"]
         same = kept["losses"] == act["losses"]
-        print(f"activation offload: losses identical {same} ({act['losses'][:3]}...), peak "
-              f"{kept['peak'] / 2**20:.1f} -> {act['peak'] / 2**20:.1f} MiB, step {kept['ms']:.1f} -> {act['ms']:.1f} ms")
+        print(
+            f"activation offload: losses identical {same} ({act['losses'][:3]}...), peak "
+            f"{kept['peak'] / 2**20:.1f} -> {act['peak'] / 2**20:.1f} MiB, step {kept['ms']:.1f} -> {act['ms']:.1f} ms"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "budget_check.json").write_text(json.dumps(
-        {"plan_s": plan_s, "plan": str(p), "measured": measured, "sweep": rows, "activation_offload_exact": same},
-        indent=1))
+    (out / "budget_check.json").write_text(
+        json.dumps(
+            {
+                "plan_s": plan_s,
+                "plan": str(p),
+                "measured": measured,
+                "sweep": rows,
+                "activation_offload_exact": same,
+            },
+            indent=1,
+        )
+    )
 
 
 def main() -> None:

@@ -25,8 +25,14 @@ SWEEP = 5  # budgets from the smallest feasible peak to DDP's
 def planned(name: str) -> P.Plan:
     build, block, inputs, loss_fn = MODELS[name]
     return P.plan(
-        build, world_size=WORLD, wrap=shardwise.wrap.by_class(block), batch_size=BATCH,
-        inputs=inputs, loss=loss_fn, backend="gloo", budget="1GiB",
+        build,
+        world_size=WORLD,
+        wrap=shardwise.wrap.by_class(block),
+        batch_size=BATCH,
+        inputs=inputs,
+        loss=loss_fn,
+        backend="gloo",
+        budget="1GiB",
     )
 
 
@@ -73,11 +79,16 @@ def test_budget_sweep_fits_and_predicts(pools, name):
     rows = []
     for b, s, m in zip(budgets, chosen, measured):
         e = s.estimate.peak
-        rows.append(f"budget {b / 2**20:7.2f} MiB: {search.describe(s.settings):<60} predicted {e / 2**20:6.2f}, measured {m / 2**20:6.2f} MiB ({(e - m) / m:+.2%})")
+        rows.append(
+            f"budget {b / 2**20:7.2f} MiB: {search.describe(s.settings):<60} predicted {e / 2**20:6.2f}, measured {m / 2**20:6.2f} MiB ({(e - m) / m:+.2%})"
+        )
     print(f"\n{name} at N={WORLD}:", *(f"\n  {r}" for r in rows))
     for b, s, m in zip(budgets, chosen, measured):
         assert m <= b, (name, b, s.settings, m)
         assert abs(s.estimate.peak - m) <= 0.03 * m, (name, s.settings, s.estimate.peak, m)
     none, reason = search.choose(p.path, smallest - 1)
-    assert none is None and f"smallest peak possible is {p.path[-1].estimate.peak / 2**20:.2f} MiB" in reason
+    assert (
+        none is None
+        and f"smallest peak possible is {p.path[-1].estimate.peak / 2**20:.2f} MiB" in reason
+    )
     assert f"needs a budget of {smallest / 2**20:.2f} MiB" in reason

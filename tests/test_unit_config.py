@@ -51,7 +51,9 @@ SELECTIVE = Settings(
 )
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_mixed_plan_trains_like_one_process(pools, world_size, settings):
-    losses, ref_losses, diff, moved = pools(world_size).run(train_pair, "tied", None, None, plan=settings)[0]
+    losses, ref_losses, diff, moved = pools(world_size).run(
+        train_pair, "tied", None, None, plan=settings
+    )[0]
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert a == pytest.approx(b, rel=1e-5), f"step {step}: sharded {a} vs reference {b}"
     assert moved > 0.05 and diff <= 1e-5
@@ -63,8 +65,17 @@ def offloaded_bytes(settings) -> tuple[int, int]:
     from nets import batch, loss_of
 
     out = []
-    for s in (settings, Settings(settings.strategy, settings.wrap, ((n, UnitConfig(offload_activations=n == "blocks.0")) for n, _ in settings.units))):
-        model = shardwise.shard(TiedTransformer(), plan=Settings(s.strategy, s.wrap, tuple(s.units)))
+    for s in (
+        settings,
+        Settings(
+            settings.strategy,
+            settings.wrap,
+            ((n, UnitConfig(offload_activations=n == "blocks.0")) for n, _ in settings.units),
+        ),
+    ):
+        model = shardwise.shard(
+            TiedTransformer(), plan=Settings(s.strategy, s.wrap, tuple(s.units))
+        )
         x, y = batch("tied", 0, 2)
         loss_of(model, x, y).backward()
         with torch.no_grad():  # no grad: nothing saved, nothing copied
@@ -83,7 +94,11 @@ def applied(settings):
     offloads its state)."""
     model = shardwise.shard(TiedTransformer(), plan=settings)
     return {
-        u.label: (u.reshard_after_forward, getattr(u.module, "_shardwise_checkpointed", False), u.offloaded)
+        u.label: (
+            u.reshard_after_forward,
+            getattr(u.module, "_shardwise_checkpointed", False),
+            u.offloaded,
+        )
         for u in shardwise.units(model)
     }
 
@@ -110,7 +125,9 @@ def test_contradictions_are_refused(pools):
     assert "drop it" in pool.run(refused, MIXED, cpu_offload=True)[0]
     with pytest.raises(shardwise.ShardwiseError, match="choose one"):
         UnitConfig(checkpoint="full", offload_activations=True)
-    root_ckpt = Settings("full_shard", BLOCK, MIXED.units[:3] + (("", UnitConfig(checkpoint="full")),))
+    root_ckpt = Settings(
+        "full_shard", BLOCK, MIXED.units[:3] + (("", UnitConfig(checkpoint="full")),)
+    )
     assert "root unit" in pool.run(refused, root_ckpt)[0]
     missing = Settings("full_shard", BLOCK, MIXED.units[1:])
     assert "no settings for unit 'blocks.0'" in pool.run(refused, missing)[0]

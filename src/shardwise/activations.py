@@ -160,7 +160,9 @@ def _keep_own(module: nn.Module) -> None:
     module.forward = forward
 
 
-def offload_activations(model: nn.Module, names: list[str], units: list[str], device: torch.device) -> Offload:
+def offload_activations(
+    model: nn.Module, names: list[str], units: list[str], device: torch.device
+) -> Offload:
     """Offload the saved activations of the units of ``model`` named ``names`` (``units``:
     every unit's name); a unit that does not offload keeps its own, even inside one that does."""
     offload = Offload(device)

@@ -8,11 +8,14 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .errors import ShardwiseError
 from .wrap import Policy
-
 
 # what selective checkpointing keeps: the results that cost FLOPs to recompute (torchtitan's
 # op-level selective checkpointing keeps the same kind)

@@ -62,8 +62,12 @@ def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> fl
     the collectives send and the offloaded units' host traffic (shards in once per gather,
     gradients out)."""
     fwd = profile.forward_flops.get("", 0)
-    recompute = sum(profile.forward_flops.get(n, 0) for n, c in settings.units if c.checkpoint == "full")
-    passes = sum(profile.saved_bytes.get(n, 0) for n, c in settings.units if c.checkpoint == "selective")
+    recompute = sum(
+        profile.forward_flops.get(n, 0) for n, c in settings.units if c.checkpoint == "full"
+    )
+    passes = sum(
+        profile.saved_bytes.get(n, 0) for n, c in settings.units if c.checkpoint == "selective"
+    )
     host = sum(
         profile.shard_bytes.get(n, 0) * (3 if c.reshard_after_forward else 2)
         for n, c in settings.units
@@ -88,11 +92,20 @@ def path(
     first, the root ("") last; ``sharded``: the strategy names for every unit kept gathered
     and for some resharded (hybrid variants where planned so); ``run`` plans one
     configuration; ``profile_of`` plans one and profiles its units."""
-    kept = Settings(sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names))
+    kept = Settings(
+        sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names)
+    )
     current, profile = profile_of(kept)
     ddp = Settings("no_shard", None, (("", UnitConfig(reshard_after_forward=False)),))
     e = run(ddp)
-    steps = [Step(ddp, e, seconds(ddp, e.sent, profile, rates), "DDP: nothing gathered, recomputed or offloaded")]
+    steps = [
+        Step(
+            ddp,
+            e,
+            seconds(ddp, e.sent, profile, rates),
+            "DDP: nothing gathered, recomputed or offloaded",
+        )
+    ]
     settings, dropped = kept, []
     t = seconds(kept, current.sent, profile, rates)
     if current.peak < e.peak:
@@ -110,9 +123,13 @@ def path(
             saved = gathered if world > 1 or gathered != profile.shard_bytes[n] else 0
             return rates.seconds(network=gathered * (world - 1) / world), saved
         if kind == "recompute":
-            return rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
+            return rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(
+                n, 0
+            )
         if kind == "selective":
-            return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(n, 0) / 2
+            return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(
+                n, 0
+            ) / 2
         # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
         return rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
 
@@ -140,7 +157,14 @@ def path(
         learned[kind] = (current.peak - e.peak) / estimate((kind, n))[1]
         t_new = seconds(trial, e.sent, profile, rates)
         if e.peak < steps[-1].estimate.peak:
-            steps.append(Step(trial, e, t_new, f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}"))
+            steps.append(
+                Step(
+                    trial,
+                    e,
+                    t_new,
+                    f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}",
+                )
+            )
         settings, current = trial, e
     return steps, dropped
 
@@ -180,7 +204,8 @@ def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
             )
             if i:
                 why += ". Faster configurations do not fit: " + "; ".join(
-                    f"{describe(f.settings)} needs {_fmt(f.estimate.peak)}" for f in steps[max(0, i - 3) : i]
+                    f"{describe(f.settings)} needs {_fmt(f.estimate.peak)}"
+                    for f in steps[max(0, i - 3) : i]
                 )
             return s, why
     best = steps[-1]
@@ -198,7 +223,9 @@ def describe(settings: Settings) -> str:
     units = [c for n, c in settings.units if n]
     parts = [settings.strategy]
     if units:
-        parts.append(f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward")
+        parts.append(
+            f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward"
+        )
     for what, count in (
         ("recomputed", sum(c.checkpoint == "full" for c in units)),
         ("recomputed selectively", sum(c.checkpoint == "selective" for c in units)),
@@ -221,7 +248,9 @@ def table(settings: Settings) -> list[str]:
 
 
 def _delta(before, after, t0: float, t1: float) -> str:
-    return f"peak {_fmt(before.peak)} -> {_fmt(after.peak)}, step {1e3 * t0:.1f} -> {1e3 * t1:.1f} ms"
+    return (
+        f"peak {_fmt(before.peak)} -> {_fmt(after.peak)}, step {1e3 * t0:.1f} -> {1e3 * t1:.1f} ms"
+    )
 
 
 def _fmt(n: int) -> str:
