@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
+from shardwise.tools import budget as search
 from shardwise.tools import plan as P
 from shardwise.tools import trace as T
 from shardwise.tools.accounting import kept_buckets
@@ -372,21 +373,27 @@ def test_backends_lay_out_buffers_differently():
         P.plan(gpt, backend="mpi")
 
 
-def test_budget_picks_the_cheapest_that_fits():
+def test_budget_walks_a_path_and_picks_the_fastest_that_fits():
+    """The search's path goes from DDP down, each step smaller and no faster; a budget takes
+    the first that fits (the details, and real runs: tests/test_budget.py)."""
     block = shardwise.wrap.by_class(Block)
     roomy = P.plan(gpt, world_size=2, wrap=block, batch_size=BATCH, budget="1GiB", backend="gloo")
-    assert roomy.choice.strategy == "no_shard" and not roomy.choice.activation_checkpointing
-    every = {e.label: e.peak for e in roomy.estimates}
-    assert len(every) == len(roomy.estimates) == 2 + 2 * 2 * 2  # strategies x wraps x ckpt; no offload on CPU
-    # a budget just under DDP's peak: it must shard, and say why not DDP
-    choice, reason = P.choose(roomy.estimates, every["no_shard (DDP)"] - 1)
-    assert choice.strategy != "no_shard" and choice.peak < every["no_shard (DDP)"]
-    assert "no_shard (DDP) needs" in reason and "fits" in reason
-    smallest = min(every.values())
-    assert P.choose(roomy.estimates, smallest)[0].peak == smallest
-    none, reason = P.choose(roomy.estimates, smallest - 1)
-    assert none is None and "nothing fits" in reason
+    assert roomy.choice.strategy == "no_shard" and roomy.settings.strategy == "no_shard"
+    peaks = [s.estimate.peak for s in roomy.path]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks) >= 4
+    times = [s.seconds for s in roomy.path]
+    assert times == sorted(times)
+    assert roomy.estimates == [s.estimate for s in roomy.path]
+    # a budget just under what DDP needs: it must shard, and say why not DDP
+    choice, reason = search.choose(roomy.path, search.needs(roomy.path[0]) - 1)
+    assert choice is roomy.path[1] and "no_shard (DDP) needs" in reason
     assert "budget 1.00 GiB: choose no_shard (DDP)" in str(roomy)
+    assert "the search's path" in str(roomy) and "reshard after fwd" in str(roomy)
+    with pytest.raises(shardwise.ShardwiseError, match="leave strategy"):
+        P.plan(gpt, world_size=2, wrap=block, strategy="full_shard", budget="1GiB")
+    unplanned = P.plan(gpt, world_size=2, wrap=block, strategy="full_shard", batch_size=1)
+    with pytest.raises(shardwise.ShardwiseError, match="chose nothing"):
+        unplanned.settings  # noqa: B018
 
 
 def test_budget_strings():

@@ -86,7 +86,7 @@ def main():
         flush=True,
     )
     # the run's own group is as it was: a real step with the plan's choice
-    model = shardwise.shard(Net(), wrap=kw["wrap"], strategy=after.choice.strategy)
+    model = shardwise.shard(Net(), plan=after)  # its wrap, strategy and per-unit settings
     opt = torch.optim.AdamW(model.parameters())
     loss(model, *inputs()).backward()
     opt.step()

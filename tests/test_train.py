@@ -68,3 +68,26 @@ def test_train_refuses_shard_size_without_hybrid():
     with pytest.raises(SystemExit):
         parse_args(["--strategy", "full_shard", "--shard-size", "2"])
     assert parse_args(["--strategy", "hybrid_shard", "--shard-size", "2"]).shard_size == 2
+
+
+def test_train_memory_budget_applies_the_plan(tmp_path):
+    """--memory-budget: rank 0 plans, every rank shards as the plan says, and MemTracker's
+    peak is within the budget."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "--model-size", "tiny", "--steps", "4", "--nproc", "2",
+         "--seq-len", "32", "--batch-size", "2", "--memory-budget", "2MiB"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "budget 2.00 MiB: choose shard_grad_op" in text and "strategy shard_grad_op" in text
+    peaks = [float(line.split()[-1]) for line in text.split("peak memory of one step")[1].splitlines()[1:3]]
+    assert len(peaks) == 2 and max(peaks) <= 2.0, text
+
+
+def test_train_memory_budget_refuses_what_it_chooses():
+    from shardwise.train import parse_args
+
+    for extra in (["--strategy", "no_shard"], ["--cpu-offload"], ["--activation-checkpointing"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--memory-budget", "1GiB", *extra])

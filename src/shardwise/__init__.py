@@ -35,7 +35,7 @@ from .checkpointing import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
 from .groups import init
-from .policies import Comm, MixedPrecision
+from .policies import Comm, MixedPrecision, Settings, UnitConfig
 from .scaler import GradScaler
 from .tools.accounting import dtype_table, held_bytes
 from .tools.plan import plan
@@ -57,6 +57,8 @@ __all__ = [
     "units",
     "MixedPrecision",
     "Comm",
+    "UnitConfig",
+    "Settings",
     "GradScaler",
     "save",
     "load",

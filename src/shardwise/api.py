@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import collectives as C
 from . import flight, groups, streams
 from . import placement as placements
+from .activations import offload_activations
 from .build import (
     UnitPlan,
     assign_params,
@@ -30,9 +31,10 @@ from .build import (
     materialize,
     select_units,
 )
+from .checkpointing import checkpoint_activations
 from .errors import ShardwiseError
-from .policies import Comm, MixedPrecision, Sharding
-from .runtime import Phase, Runtime
+from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
+from .runtime import Phase, Runtime, require_idle, runtime_of
 from .unit import ReplicatedUnit, ShardedUnit, Unit, shard_param
 from .wrap import Policy
 
@@ -43,7 +45,7 @@ def shard(
     module: nn.Module,
     *,
     wrap: Policy | None = None,
-    strategy: Strategy = "full_shard",
+    strategy: Strategy | None = None,
     group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     shard_size: int | None = None,
@@ -54,6 +56,7 @@ def shard(
     init_from: str | os.PathLike | None = None,
     placement: placements.Placement | None = None,
     comm: Comm | str | None = None,
+    plan: Settings | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
 
@@ -63,7 +66,7 @@ def shard(
     them after this call. Values come from rank 0; a module built on the meta device is
     initialised here one module at a time (``reset_parameters()`` or ``init(module)``).
 
-    strategy: "full_shard" frees full parameters after each unit's forward and gathers them
+    strategy: "full_shard" (the default) frees full parameters after each unit's forward and gathers them
     again for backward; "shard_grad_op" keeps them from forward to backward; "no_shard" keeps
     whole parameters on every rank and all-reduces gradients (DDP; without mixed precision the
     gradients are views of a bucket the next step reduces into, as with DDP's
@@ -88,13 +91,23 @@ def shard(
     sums are taken in fp32; master weights and optimizer state keep their dtype. Default:
     exact (the gather and reduction dtypes themselves).
 
+    plan: what ``shardwise.plan(..., budget=...)`` chose (a ``Plan`` or its ``.settings``, a
+    ``policies.Settings``): its wrap policy, strategy and per-unit settings are applied as
+    they are (``UnitConfig``: reshard after forward, activation checkpointing, offload of
+    the unit's state and of its activations), so
+    what was predicted is what runs. ``wrap``, ``strategy`` and ``cpu_offload`` then come from
+    the plan and must not be passed as well.
+
     init_from: a standard safetensors model (a ``model.safetensors`` file, a Hugging Face
     index, or a directory holding either) whose values replace the initial ones, each rank
     reading only its rows (``shardwise.load_full``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
-    sharding = Sharding.of(strategy)
+    settings = _settings(plan, wrap=wrap, strategy=strategy, cpu_offload=cpu_offload)
+    if settings is not None:
+        wrap, strategy = settings.wrap, settings.strategy
+    sharding = Sharding.of(strategy or "full_shard")
     if max_unsharded < 1:
         raise ShardwiseError(f"max_unsharded={max_unsharded} must be at least 1")
     for name, m in module.named_modules():
@@ -106,7 +119,13 @@ def shard(
             )
     precision = MixedPrecision.of(mixed_precision)
     wire = Comm.of(comm)
-    if cpu_offload and not sharding.shard:
+    plans = select_units(module, wrap)
+    configs = [
+        settings.of(p.name) if settings else UnitConfig(sharding.reshard_after_forward, "none", cpu_offload)
+        for p in plans
+    ]
+    _check_configs(plans, configs, settings)
+    if any(c.offload for c in configs) and not sharding.shard:
         raise ShardwiseError(
             "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
             "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
@@ -115,7 +134,6 @@ def shard(
     layout_mesh = groups.mesh_of(group, mesh, hybrid=sharding.hybrid, shard_size=shard_size)
     group, whole = layout_mesh.shard, layout_mesh.whole
     rank, world = groups.rank_and_size(group)
-    plans = select_units(module, wrap)
     assign_params(module, plans)
     param_device = check_plans(module, plans)
     device = groups.device() if param_device is None or param_device.type == "cpu" else param_device
@@ -125,20 +143,19 @@ def shard(
     # no_shard: every rank holds every parameter whole; owned ones are only marked
     owners = placements.choose_owners(owned, world if sharded else 1)
     layouts = [layout_of(p, world if sharded else 1, o) for p, o in zip(plans, owners)]
-    home = torch.device("cpu") if cpu_offload else device  # where the master shards live
-    pin = cpu_offload and device.type == "cuda"
+    # where the master shards live: host memory for an offloaded unit
     flats = [
         torch.zeros(
             lay.sizes[rank if sharded else 0],
             dtype=p.params[0].dtype if p.params else torch.float32,
-            device=home,
-            pin_memory=pin,
+            device=torch.device("cpu") if c.offload else device,
+            pin_memory=c.offload and device.type == "cuda",
         )
-        for p, lay in zip(plans, layouts)
+        for p, lay, c in zip(plans, layouts, configs)
     ]
     where = {}
-    for ui, plan in enumerate(plans):
-        for si, p in enumerate(plan.params):
+    for ui, up in enumerate(plans):
+        for si, p in enumerate(up.params):
             where[p] = (ui, si)
 
     def keep_rows(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
@@ -147,12 +164,12 @@ def shard(
             fill_slot(flats[ui], layouts[ui].slots[si], rank if sharded else 0, v)
 
     with torch.no_grad():
-        if any(p.is_meta for plan in plans for p in plan.params) or any(b.is_meta for b in module.buffers()):
+        if any(p.is_meta for up in plans for p in up.params) or any(b.is_meta for b in module.buffers()):
             materialize(module, device, init, keep_rows, whole)
-        for plan in plans:
-            eager = [p for p in plan.params if not p.is_meta]
+        for up in plans:
+            eager = [p for p in up.params if not p.is_meta]
             if eager:
-                keep_rows(eager, broadcast_from_rank0(eager, device, whole, plan.label))
+                keep_rows(eager, broadcast_from_rank0(eager, device, whole, up.label))
         for name, b in module.named_buffers():
             if not b.is_meta:
                 b.data = broadcast_from_rank0([b], device, whole, name)[0].clone()
@@ -161,41 +178,88 @@ def shard(
 
     side_streams = streams.for_device(device)
     units: list[Unit] = []
-    for plan, lay, flat in zip(plans, layouts, flats):
-        rg = [p.requires_grad for p in plan.params]
+    for up, lay, flat, config in zip(plans, layouts, flats, configs):
+        rg = [p.requires_grad for p in up.params]
         if sharded:
             units.append(
                 ShardedUnit(
-                    plan.module, plan.name, plan.registrations, group, lay, flat, rg,
-                    device=device, precision=precision, offload=cpu_offload, streams=side_streams,
+                    up.module, up.name, up.registrations, group, lay, flat, rg,
+                    device=device, precision=precision, offload=config.offload, streams=side_streams,
                     replicate=layout_mesh.replicate, comm=wire,
+                    reshard_after_forward=config.reshard_after_forward and not up.is_root,
                 )
             )
         else:
             params = [
                 shard_param(v, r, slot, 1) for v, r, slot in zip(lay.unsharded_views(flat), rg, lay.slots)
             ]
-            for r in plan.registrations:
+            for r in up.registrations:
                 r.module._parameters[r.attr] = params[r.index]
             units.append(
                 ReplicatedUnit(
-                    plan.module, plan.name, plan.registrations, group, params, precision=precision, comm=wire
+                    up.module, up.name, up.registrations, group, params, precision=precision, comm=wire
                 )
             )
-        for r in plan.registrations:
-            _retire(plan.params[r.index], r.fqn)
+        for r in up.registrations:
+            _retire(up.params[r.index], r.fqn)
     module._shardwise = rt = Runtime(
-        module, units, strategy, sharding, layout_mesh, max_unsharded, precision, groups.host_group(whole), wire
+        module, units, strategy or "full_shard", sharding, layout_mesh, max_unsharded, precision,
+        groups.host_group(whole), wire,
     )
     for u in units:
         for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
             p._shardwise_runtime = weakref.ref(rt)  # Note [a step after a forward]
+    for kind in ("full", "selective"):
+        recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
+        if recomputed:
+            checkpoint_activations(module, lambda m, name, r=recomputed: name in r, selective=kind == "selective")
+    offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
+    if offloaded:
+        rt.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
     _install_optimizer_guard()
     if init_from is not None:
         from .checkpoint import load_full  # checkpoint builds on this module
 
         load_full(module, init_from)
     return module
+
+
+def _settings(plan, *, wrap, strategy, cpu_offload) -> Settings | None:
+    """The plan's settings, refusing arguments that would contradict them."""
+    if plan is None:
+        return None
+    settings = getattr(plan, "settings", plan)  # a tools.plan.Plan carries its choice's
+    if not isinstance(settings, Settings):
+        raise TypeError(
+            f"shard(plan=...) takes shardwise.plan()'s result or a policies.Settings, got "
+            f"{type(plan).__name__}"
+        )
+    given = {"wrap": wrap, "strategy": strategy, "cpu_offload": cpu_offload or None}
+    clash = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != getattr(settings, k, None)]
+    if clash:
+        raise ShardwiseError(
+            f"shard(plan=...) applies the plan's wrap, strategy ({settings.strategy!r}) and "
+            f"per-unit settings, but {', '.join(clash)} was passed too: drop it, or plan again "
+            "with it (shardwise.plan(..., wrap=..., strategy=...))"
+        )
+    return settings
+
+
+def _check_configs(plans: list[UnitPlan], configs: list[UnitConfig], settings: Settings | None) -> None:
+    """A plan names exactly the units the wrap policy makes; the root recomputes nothing."""
+    if settings is not None:
+        extra = {n for n, _ in settings.units} - {p.name for p in plans}
+        if extra:
+            raise ShardwiseError(
+                f"the plan has settings for {sorted(n or '<root>' for n in extra)}, which this "
+                "model's wrap policy does not make units: plan the model you shard"
+            )
+    for p, c in zip(plans, configs):
+        if p.is_root and c.checkpoint != "none":
+            raise ShardwiseError(
+                f"UnitConfig(checkpoint={c.checkpoint!r}) on the root unit would recompute the whole "
+                "model: checkpoint wrapped units instead"
+            )
 
 
 def _owned(plans: list[UnitPlan], placement: placements.Placement | None) -> list[list[tuple[int, bool]]]:
@@ -207,15 +271,6 @@ def _owned(plans: list[UnitPlan], placement: placements.Placement | None) -> lis
         ]
         for plan in plans
     ]
-
-
-def _runtime(model: nn.Module) -> Runtime:
-    rt = getattr(model, "_shardwise", None)
-    if rt is None:
-        raise ShardwiseError(
-            f"{type(model).__name__} is not sharded: pass the module that shardwise.shard() returned"
-        )
-    return rt
 
 
 # --- the originals that shard() replaced, and the optimizers that still hold them
@@ -281,7 +336,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """Backward passes inside accumulate full gradients locally, with no communication; the
     next backward outside reduces the accumulated gradients (costs one unit of full gradient
     memory per unit, as in DDP's and FSDP's no_sync)."""
-    rt = _runtime(model)
+    rt = runtime_of(model)
     prev, rt.sync_grads = rt.sync_grads, False
     try:
         yield
@@ -296,7 +351,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     the result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (each shared
     parameter counted once).
     """
-    rt = _runtime(model)
+    rt = runtime_of(model)
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     device = groups.device()
@@ -328,8 +383,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     it; with ``rank0_only`` the other ranks get ``{}``), loadable with ``load_state_dict`` into
     the unsharded module. With hybrid sharding and ``rank0_only`` only rank 0's shard group
     gathers."""
-    rt = _runtime(model)
-    _require_idle(rt, "full_state_dict")
+    rt = runtime_of(model)
+    require_idle(rt, "full_state_dict")
     one_replica = rank0_only and rt.mesh.replicate is not None
     if one_replica and not rt.mesh.first_replica():
         return {}
@@ -352,8 +407,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -> None:
     """Scatter a full state dict into the shards. Rank 0's dict is used (other ranks may pass
     None); keys and shapes are checked on rank 0 and a mismatch raises on every rank."""
-    rt = _runtime(model)
-    _require_idle(rt, "load_full_state_dict")
+    rt = runtime_of(model)
+    require_idle(rt, "load_full_state_dict")
     expected = model.state_dict(keep_vars=True)
     full_shapes = {r.fqn: u.full_params[r.index].shape for u in rt.units for r in u.registrations}
     problem = ""
@@ -410,26 +465,18 @@ def reset(model: nn.Module) -> None:
     ``optimizer.zero_grad()``, before the next step. The forward that completed cannot be
     told from one whose backward comes later (two forwards, one loss).
     """
-    rt = _runtime(model)
+    rt = runtime_of(model)
     if rt.callback_queued and not rt.step_abandoned():  # a backward is running
         raise ShardwiseError("reset() was called during backward; call it between steps")
     rt.reset()
-
-
-def _require_idle(rt: Runtime, what: str) -> None:
-    if rt.step_abandoned():  # the last backward raised
-        rt.reset()
-    if rt.phase is Phase.BACKWARD:
-        raise ShardwiseError(f"{what}() was called during backward; call it between steps")
-    rt.settle()  # a forward whose backward never came (e.g. evaluation with grad enabled)
 
 
 @contextlib.contextmanager
 def gathered(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Module]:
     """Inside, every module of ``model`` holds its full parameters (for inspection, generation
     helpers or edits); with ``writeback`` edits made inside are kept in the shards."""
-    rt = _runtime(model)
-    _require_idle(rt, "gathered")
+    rt = runtime_of(model)
+    require_idle(rt, "gathered")
     for u in rt.units:
         u.wait_unshard()
     try:
@@ -478,11 +525,11 @@ def register_forward_method(module: nn.Module, name: str) -> None:
 
 def unit_states(model: nn.Module) -> dict[str, str]:
     """Each unit's life-cycle state on this rank ('SHARDED', 'GATHERING', 'UNSHARDED')."""
-    return {u.label: u.state.name for u in _runtime(model).units}
+    return {u.label: u.state.name for u in runtime_of(model).units}
 
 
 def units(model: nn.Module) -> list[Unit]:
     """The units of a sharded model, innermost first and the root last (read-only use)."""
-    return list(_runtime(model).units)
+    return list(runtime_of(model).units)
 
 

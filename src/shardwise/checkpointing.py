@@ -1,25 +1,58 @@
 """Activation checkpointing: chosen submodules keep only their inputs and recompute the rest
-in backward (torch.utils.checkpoint, non-reentrant)."""
+in backward (torch.utils.checkpoint, non-reentrant); selectively, they also keep the outputs
+of their matrix products and attention, and recompute only the cheap operations between."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .errors import ShardwiseError
 from .wrap import Policy
 
+# what selective checkpointing keeps: the results that cost FLOPs to recompute (torchtitan's
+# op-level selective checkpointing keeps the same kind)
+_KEPT_OPS = {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+}
 
-def checkpoint_activations(model: nn.Module, policy: Policy) -> list[str]:
+
+def _keep_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective():
+    return create_selective_checkpoint_contexts(_keep_products)
+
+
+def checkpoint_activations(model: nn.Module, policy: Policy, *, selective: bool = False) -> list[str]:
     """Recompute the activations of every submodule ``policy`` selects; returns their names.
+    ``selective``: keep the outputs of matrix products and attention, recompute the rest
+    (less memory saved, little compute spent).
 
     The module's own ``forward`` is wrapped, so its hooks (a unit's gather and reshard) still
     run outside the recomputed region: inside a full_shard unit, backward gathers the unit
     before recomputation needs it, and each parameter still gets its gradient once. Works
     before or after ``shard()``.
     """
+    context = {"context_fn": _selective} if selective else {}
     chosen = []
     for name, module in model.named_modules():
         if not name or not policy(module, name):
@@ -30,7 +63,7 @@ def checkpoint_activations(model: nn.Module, policy: Policy) -> list[str]:
 
         @functools.wraps(inner)
         def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **context, **kwargs)
 
         module.forward = forward
         module._shardwise_checkpointed = True

@@ -37,10 +37,11 @@ here) both halves are torch's own collectives on uint8 buffers, the second issue
 
 Note [fake world]: the planner runs the real runtime as rank 0 of N ranks in one process, on
 fake tensors over torch's "fake" process group, which sends nothing (``groups.fake_world``).
-There, ``standing_in(backend)`` makes that group take the paths of the backend the plan is
-for (Gloo's rows or NCCL's buffer); collectives count, number their channels and record
-their flight apart from this process's own, which stay as they were; and the step check
-agrees at once (one process stands for every rank, and fake tensors hold no values to read).
+There, that group takes the paths of the backend the plan is for (Gloo's rows or NCCL's
+buffer: ``groups.stands_for()``, set by the fake world, which groups owns); inside
+``apart()`` collectives count, number their channels and record their flight apart from this
+process's own, which stay as they were; and the step check agrees at once (one process
+stands for every rank, and fake tensors hold no values to read).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import events, flight
+from . import events, flight, groups
 from .quantize import Codec
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -169,29 +170,26 @@ def _issue(
     return Pending(works, finish, kind, label, t0, nbytes, result, record, buffers)
 
 
-_stands_for: str | None = None  # the backend torch's "fake" group stands for (Note [fake world])
-
-
 @contextlib.contextmanager
-def standing_in(backend: str):
-    """Inside, torch's "fake" group takes ``backend``'s collective paths, and collectives count,
-    number channels and record their flight apart from the caller's (Note [fake world])."""
-    global _stats, _stands_for, _channels
-    saved = _stats, _stands_for, _channels
-    _stats, _stands_for = {k: CollectiveStats() for k in KINDS}, backend
+def apart():
+    """Inside, collectives count, number channels and record their flight apart from the
+    caller's, which are as they were afterwards (the planner's fake world: Note [fake world])."""
+    global _stats, _channels
+    saved = _stats, _channels
+    _stats = {k: CollectiveStats() for k in KINDS}
     try:
         with flight.apart():
             yield
     finally:
-        _stats, _stands_for, _channels = saved
+        _stats, _channels = saved
 
 
 def _on_gloo(group) -> bool:
     if dist.get_world_size(group) == 1:
         return False
     backend = dist.get_backend(group)
-    if backend == "fake" and _stands_for is not None:
-        backend = _stands_for
+    if backend == "fake" and groups.stands_for() is not None:
+        backend = groups.stands_for()
     return backend == dist.Backend.GLOO
 
 
@@ -224,7 +222,7 @@ def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor | None], group
     """Send ``sends[r]`` to every other rank r and receive its message into ``recvs[r]``,
     asynchronously, in ring order (this rank's successors first), posted by the posting
     thread (Note [posting thread]); in the planner's fake world, here."""
-    if _stands_for is not None:  # (fake tensors live in this thread's FakeTensorMode)
+    if groups.stands_for() is not None:  # (fake tensors live in this thread's FakeTensorMode)
         return _post(sends, recvs, group, tag)
     poster = _posters.get(group)
     if poster is None:
@@ -523,7 +521,7 @@ def _all_reduce_encoded(tensor, group, label, kind, numel, codec: Codec, channel
     def start():
         messages = _encode_rows(chunks, rank, codec, residual)
         works, received = _send_messages(messages, lengths, group, _tag(channel, _ALL_REDUCE_SUMS), gloo, held)
-        if gloo and _stands_for is None:
+        if gloo and groups.stands_for() is None:
 
             def second_half() -> list:
                 for w in works:
@@ -678,7 +676,7 @@ def step_check(flags: list[bool], group, buffer: torch.Tensor) -> Callable[[], l
 
     def result() -> list[bool]:
         pending.wait()
-        if _stands_for is not None:  # one process stands for every rank: they agree
+        if groups.stands_for() is not None:  # one process stands for every rank: they agree
             return list(flags)
         agreed = buffer.tolist()
         if agreed[-2] != digest or -agreed[-1] != digest:

@@ -171,28 +171,38 @@ def mesh_of(group, mesh, *, hybrid: bool, shard_size: int | None) -> Mesh:
     return _meshes[key]
 
 
+_stands_for: str | None = None  # the backend torch's "fake" group stands for (Note [fake world])
+
+
+def stands_for() -> str | None:
+    """In the fake world, the backend whose collective paths its "fake" group takes ("gloo" or
+    "nccl"); elsewhere None (Note [fake world] in collectives.py)."""
+    return _stands_for
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int, backend: str) -> Iterator[None]:
     """A world of ``world_size`` ranks inside this process, which is rank 0, over torch's
     "fake" process group (nothing is sent; torchtitan estimates memory the same way): the
     planner runs the real runtime in it on fake tensors. Its collectives take ``backend``'s
-    paths and count apart from this process's (Note [fake world] in collectives.py). It stands
-    in for this process's own world, if any, which is as it was afterwards (Note [a world
-    beside the real one]); the groups made in it go with it."""
+    paths (``stands_for``); the planner counts them apart with ``collectives.apart()`` (Note
+    [fake world] in collectives.py). It stands in for this process's own world, if any, which
+    is as it was afterwards (Note [a world beside the real one]); the groups made in it go
+    with it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
-    from . import collectives  # (collectives imports flight, which imports this module)
-
-    saved = dict(_host_groups), dict(_meshes)
+    global _stands_for
+    saved = dict(_host_groups), dict(_meshes), _stands_for
     with _world_swapped():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        _stands_for = backend
         try:
-            with collectives.standing_in(backend):
-                yield
+            yield
         finally:
             for cache, before in zip((_host_groups, _meshes), saved):
                 cache.clear()
                 cache.update(before)
+            _stands_for = saved[2]
 
 
 # Note [a world beside the real one]: torch.distributed keeps its groups in one object,

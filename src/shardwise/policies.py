@@ -1,9 +1,12 @@
 """Policies: precision (which dtype each tensor of a unit is stored, computed, sent and reduced
-in), precision on the wire (``Comm``) and sharding (what a strategy name means)."""
+in), precision on the wire (``Comm``), sharding (what a strategy name means) and per-unit
+settings (what a plan decides)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -134,3 +137,57 @@ STRATEGIES = {
     "hybrid_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=True),
     "hybrid_shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=True),
 }
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How one unit runs: the settings a plan chooses per unit and ``shard(plan=...)`` applies.
+
+    reshard_after_forward: free the unit's full parameters after its forward and gather them
+    again for backward (full_shard), or keep them to backward (shard_grad_op). The root never
+    reshards after forward (backward needs it first).
+    checkpoint: "full" recomputes the unit's activations in backward (its module's forward
+    under torch.utils.checkpoint); "selective" keeps the outputs of its matrix products and
+    attention and recomputes the rest; "none" keeps them all.
+    offload: the unit's parameter shards, their gradients and so its optimizer state live in
+    host memory (``cpu_offload`` for this unit alone).
+    offload_activations: the activations the unit's forward saves for backward wait in host
+    memory, and come back ahead of its backward (activations.py); not with checkpointing.
+    """
+
+    reshard_after_forward: bool = True
+    checkpoint: Literal["none", "selective", "full"] = "none"
+    offload: bool = False
+    offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in ("none", "selective", "full"):
+            raise ShardwiseError(
+                f"UnitConfig(checkpoint={self.checkpoint!r}): use 'none', 'selective' or 'full'"
+            )
+        if self.offload_activations and self.checkpoint != "none":
+            raise ShardwiseError(
+                f"UnitConfig(checkpoint={self.checkpoint!r}, offload_activations=True): a unit "
+                "either recomputes its activations or offloads them; choose one"
+            )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``shard(model, plan=...)`` applies as it is: the strategy, the wrap policy and one
+    ``UnitConfig`` per unit, by unit name ("" for the root; every unit named, innermost first).
+    The planner makes one (``shardwise.plan(...).settings``); so can a user."""
+
+    strategy: str
+    wrap: Callable[[object, str], bool] | None
+    units: tuple[tuple[str, UnitConfig], ...]
+
+    def of(self, name: str) -> UnitConfig:
+        for n, c in self.units:
+            if n == name:
+                return c
+        raise ShardwiseError(
+            f"the plan has no settings for unit '{name or '<root>'}' (it names "
+            f"{[n or '<root>' for n, _ in self.units]}): plan the model you shard, with the "
+            "same wrap policy"
+        )

@@ -2,8 +2,9 @@
 end-of-backward callback. One ``Runtime`` per sharded model.
 
 Forward: a unit's pre-forward hook waits for (or issues) its gather and issues the prefetch of
-the unit that ran next on the previous iteration; its post-forward hook reshards (full_shard,
-all but the root) and registers the pre-backward hook on the unit's outputs. Backward: the
+the unit that ran next on the previous iteration; its post-forward hook reshards (a unit that
+reshards after forward: full_shard's, or as a plan's ``UnitConfig`` says; never the root) and
+registers the pre-backward hook on the unit's outputs. Backward: the
 pre-backward hook gathers again and prefetches in backward order; an identity autograd
 function on the unit's inputs marks the end of its backward, where it reshards and issues its
 reduce-scatter (Note [when a unit reduces]), while earlier layers still compute, after
@@ -217,6 +218,7 @@ class Runtime:
         self.pending_backwards: dict[Unit, int] = {}  # forward calls whose backward has not ended
         self.ran_since_sync: set[Unit] = set()
         self.host_group = host_group  # the side group of the step check (collectives.step_check)
+        self.activations = None  # an activations.Offload where a unit offloads its activations
         self.check_buffer: torch.Tensor | None = None
         for unit in units:
             self._register(unit)
@@ -281,7 +283,7 @@ class Runtime:
             # even the unit that ran last, which backward needs first: held through the loss it
             # raises the peak by a unit where the loss is the peak (docs/architecture.md), and
             # the root's pre-backward prefetches it again
-            if not grad or (self.sharding.reshard_after_forward and not unit.is_root):
+            if not grad or (unit.reshard_after_forward and not unit.is_root):
                 unit.reshard()
             if grad:
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
@@ -308,12 +310,13 @@ class Runtime:
     def _prefetch(self, nxt: Unit | None) -> None:
         """Issue the gather of ``nxt`` early, within the limit on gathered units.
 
-        full_shard: at most ``max_unsharded`` non-root units gathered or gathering at once.
-        shard_grad_op (units stay gathered until backward): one gather in flight at a time.
+        A unit that reshards after forward (full_shard): at most ``max_unsharded`` such
+        non-root units gathered or gathering at once. One kept to backward (shard_grad_op):
+        one gather in flight at a time. A plan may mix both (``UnitConfig``).
         """
         if nxt is None or nxt.state is not UnitState.SHARDED:
             return
-        if self.sharding.reshard_after_forward:
+        if nxt.reshard_after_forward:
             if self._count_unsharded() >= self.max_unsharded:
                 return
         elif self._count_unsharded(gathering_only=True):
@@ -323,10 +326,12 @@ class Runtime:
     def _count_unsharded(self, *, gathering_only: bool = False) -> int:
         if gathering_only:
             return sum(u.state is UnitState.GATHERING for u in self.units)
-        return sum(u.state is not UnitState.SHARDED for u in self.units if not u.is_root)
+        return sum(
+            u.state is not UnitState.SHARDED for u in self.units if u.reshard_after_forward and not u.is_root
+        )
 
     def _note_unsharded(self) -> None:
-        if self.sharding.reshard_after_forward:
+        if any(u.reshard_after_forward for u in self.units if not u.is_root):
             self.peak_unsharded = max(self.peak_unsharded, self._count_unsharded())
 
     # --- backward
@@ -514,6 +519,27 @@ class Runtime:
                 "Choose another wrap policy, or call shardwise.register_forward_method() for "
                 "methods that use the parameters."
             )
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    """The runtime ``shard()`` attached to ``model`` (api and checkpoint both ask here)."""
+    rt = getattr(model, "_shardwise", None)
+    if rt is None:
+        raise ShardwiseError(
+            f"{type(model).__name__} is not sharded: pass the module that shardwise.shard() returned"
+        )
+    return rt
+
+
+def require_idle(rt: Runtime, what: str) -> None:
+    """Between steps, for ``what`` (a function that needs whole steps): clear a step that raised
+    (Note [a step that raised]), refuse to run during backward, and end a forward whose
+    backward never came (evaluation with grad enabled)."""
+    if rt.step_abandoned():
+        rt.reset()
+    if rt.phase is Phase.BACKWARD:
+        raise ShardwiseError(f"{what}() was called during backward; call it between steps")
+    rt.settle()
 
 
 def _cast_floats(obj, dtype: torch.dtype):

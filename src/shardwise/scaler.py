@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
-from .api import _runtime
+from .runtime import runtime_of
 
 
 class GradScaler:
@@ -28,7 +28,7 @@ class GradScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ):
-        self.runtime = _runtime(model)
+        self.runtime = runtime_of(model)
         self.runtime.grad_scaler = self
         self.model = model
         self.scale_value = float(init_scale)

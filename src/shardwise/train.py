@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -31,10 +32,12 @@ from . import api, checkpoint, groups
 from . import collectives as C
 from .checkpointing import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
-from .policies import STRATEGIES, WIRE_FORMATS, Comm
+from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings
+from .runtime import runtime_of
 from .scaler import GradScaler
 from .tools import charts, report
 from .tools.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
+from .tools.plan import plan
 from .tools.trace import trace
 from .wrap import by_class, by_size
 
@@ -60,6 +63,9 @@ class TrainConfig:
     error_feedback: bool = False  # keep what encoding the gradients drops, for the next step
     cpu_offload: bool = False  # shards, gradients and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # device memory per rank, e.g. 120MiB: shardwise.plan chooses the strategy and, per block,
+    # resharding, recomputation and offload (instead of the three options above)
+    memory_budget: str = ""
     compile: bool = False  # torch.compile each transformer block after shard() (inductor)
     save_every: int = 0  # optimizer steps between checkpoints (0: none)
     checkpoint_dir: str = "checkpoints"  # where checkpoints are written and --resume looks
@@ -93,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                    help="with --comm: carry what encoding the gradients drops into the next step")
     p.add_argument("--cpu-offload", action="store_true", help="shards, grads and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
+    p.add_argument("--memory-budget", default=defaults.memory_budget,
+                   help="device memory per rank, e.g. 120MiB: the planner chooses the strategy and, per "
+                   "block, resharding, activation checkpointing and offload")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (after shard)")
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (0: none)")
     p.add_argument("--checkpoint-dir", default=defaults.checkpoint_dir, help="where checkpoints go and --resume looks")
@@ -104,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     a = p.parse_args(argv)
     if a.loss_curve and not charts.available():
         p.error(f"--loss-curve needs matplotlib: {charts.INSTALL}")
+    if a.memory_budget and (a.cpu_offload or a.activation_checkpointing or a.strategy != defaults.strategy):
+        p.error("--memory-budget chooses the strategy, checkpointing and offload: drop --strategy, "
+                "--cpu-offload and --activation-checkpointing")
     if a.shard_size and not STRATEGIES[a.strategy].hybrid:
         p.error(f"--shard-size is for --strategy hybrid_shard or hybrid_shard_grad_op, not {a.strategy}")
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
@@ -117,6 +129,19 @@ def main(argv: list[str] | None = None) -> None:
     nproc = cfg.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     groups.launch_local(nproc, worker, cfg)
+
+
+def _planned(cfg: TrainConfig, build, wrap, world: int, global_batch: int) -> Settings:
+    """--memory-budget: the plan every rank applies (rank 0 plans; plan() is collective),
+    printed on rank 0."""
+    chosen = plan(
+        build, world_size=world, wrap=wrap, batch_size=global_batch // world, seq_len=cfg.seq_len,
+        mixed_precision=None if cfg.mixed_precision == "none" else cfg.mixed_precision,
+        budget=cfg.memory_budget,
+    )
+    if dist.get_rank() == 0:
+        print(chosen, flush=True)
+    return chosen.settings
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -138,21 +163,28 @@ def worker(cfg: TrainConfig) -> dict:
     global_batch = _global_batch(cfg, world)
     device = groups.device()
     mcfg = gpt_config(cfg.model_size, seq_len=cfg.seq_len)
+    wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[cfg.wrap]
+    chosen = _planned(cfg, functools.partial(GPT, mcfg), wrap, world, global_batch) if cfg.memory_budget else None
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         model = GPT(mcfg)
-    wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[cfg.wrap]
-    api.shard(
-        model,
-        wrap=wrap,
-        strategy=cfg.strategy,
-        shard_size=cfg.shard_size or None,
-        mixed_precision=cfg.mixed_precision,
-        cpu_offload=cfg.cpu_offload,
-        comm=replace(Comm.of(cfg.comm), error_feedback=cfg.error_feedback),
-    )
+    wire = replace(Comm.of(cfg.comm), error_feedback=cfg.error_feedback)
+    if chosen is not None:
+        api.shard(model, plan=chosen, mixed_precision=cfg.mixed_precision, comm=wire)
+    else:
+        api.shard(
+            model,
+            wrap=wrap,
+            strategy=cfg.strategy,
+            shard_size=cfg.shard_size or None,
+            mixed_precision=cfg.mixed_precision,
+            cpu_offload=cfg.cpu_offload,
+            comm=wire,
+        )
     if cfg.activation_checkpointing:
         checkpoint_activations(model, by_class(Block))
+    strategy = runtime_of(model).strategy
+    offloaded = any(getattr(u, "offloaded", False) for u in api.units(model))
     if cfg.compile:  # after shard(): the hooks stay outside the compiled graphs
         for m in model.modules():
             if isinstance(m, Block):
@@ -161,7 +193,7 @@ def worker(cfg: TrainConfig) -> dict:
     # offloaded shards step on the CPU: the fused CPU kernel of AdamW does it in one pass
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        **({"fused": True} if cfg.cpu_offload else {}),
+        **({"fused": True} if offloaded else {}),
     )
     start = _resume(cfg, model, opt, scaler, global_batch) if cfg.resume else 0
     if start >= cfg.steps:
@@ -226,7 +258,7 @@ def worker(cfg: TrainConfig) -> dict:
     bar.close()
     tracing.close()  # collective: every rank leaves the trace here
     if cfg.loss_curve and rank == 0:
-        title = f"{cfg.model_size} GPT, {cfg.strategy}, {world} ranks"
+        title = f"{cfg.model_size} GPT, {strategy}, {world} ranks"
         charts.loss_curve(*curve, Path(cfg.loss_curve), title)
         print(f"wrote the loss curve to {cfg.loss_curve}", flush=True)
     if cfg.report and rank == 0:
@@ -251,13 +283,14 @@ def worker(cfg: TrainConfig) -> dict:
     C.blocking("all_gather", "summary", dist.all_gather_object, rows, row)
     summary = {
         "config": asdict(cfg),
+        "strategy": strategy,  # the plan's, with --memory-budget
         "world_size": world,
         "device": str(device),
         "first_loss": first_loss,
         "final_loss": loss,
         "curve": curve,
         "rows": rows,
-        "theory": theory_bytes_per_step(model, cfg.strategy),
+        "theory": theory_bytes_per_step(model, strategy),
         "tokens_per_s": tokens_per_step / (sum(step_times[warmup - start :]) / measured),
     }
     if rank == 0:
@@ -379,7 +412,7 @@ def render_summary(s: dict) -> str:
     lines = [
         f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}   "
         f"{s['tokens_per_s'] / 1000:.1f}k tokens/s   {n} ranks on {s['device']}   "
-        f"strategy {s['config']['strategy']}, wrap {s['config']['wrap']}",
+        f"strategy {s['strategy']}, wrap {s['config']['wrap']}",
         "",
         "memory held per rank (MiB)      params    grads  optimizer    total   DDP total",
     ]
@@ -403,7 +436,8 @@ def render_summary(s: dict) -> str:
     lines.append(
         f"  mixed precision {cfg['mixed_precision']}, comm {cfg['comm']}, cpu offload {'on' if cfg['cpu_offload'] else 'off'}, "
         f"activation checkpointing {'on' if cfg['activation_checkpointing'] else 'off'}, "
-        f"compiled blocks {'on' if cfg['compile'] else 'off'}"
+        + (f"memory budget {cfg['memory_budget']} (the plan above, per block), " if cfg["memory_budget"] else "")
+        + f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )
     hybrid = theory["replicas"] > 1
     lines += [

@@ -97,6 +97,7 @@ class Unit:
     """Base of both unit kinds; ``name`` is the module's qualified name ('' for the root)."""
 
     state: UnitState
+    reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
 
     def __init__(self, module: nn.Module, name: str, registrations: list[Registration], group):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
@@ -175,6 +176,7 @@ class ShardedUnit(Unit):
         device: torch.device,
         precision: MixedPrecision,
         offload: bool = False,
+        reshard_after_forward: bool = True,
         streams: Streams | None = None,
         replicate=None,
         comm: Comm | None = None,
@@ -184,6 +186,7 @@ class ShardedUnit(Unit):
         self.comm = comm or Comm()
         self.gather_codec = quantize.codec(self.comm.gather) if self.world > 1 else None
         self.reduce_codec = quantize.codec(self.comm.reduce) if self.world > 1 else None
+        self.reshard_after_forward = reshard_after_forward  # (UnitConfig; never the root's)
         # hybrid sharding: the same-position ranks of the other shard groups, which hold the
         # same shards; gradients are all-reduced over them after the reduce-scatter
         self.replicate = replicate

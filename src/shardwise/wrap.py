@@ -32,6 +32,12 @@ class by_class:
     def __repr__(self) -> str:
         return f"by_class({', '.join(c.__name__ for c in self.classes)})"
 
+    def __eq__(self, other) -> bool:  # (a plan's settings compare by what they select)
+        return isinstance(other, by_class) and self.classes == other.classes
+
+    def __hash__(self) -> int:
+        return hash(self.classes)
+
 
 class by_size:
     """Select a submodule when it holds at least ``min_params`` parameters not already in a
@@ -61,6 +67,15 @@ class by_size:
 
     def __repr__(self) -> str:
         return f"by_size({self.min_params})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, by_size) and self.min_params == other.min_params
+
+    def __reduce__(self):  # without its cache (a plan travels to every rank: plan() broadcasts it)
+        return by_size, (self.min_params,)
+
+    def __hash__(self) -> int:
+        return hash(self.min_params)
 
 
 def auto(model: nn.Module) -> Policy:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import _require_idle, _runtime
+from .. import runtime as runtimes
 from ..layout import Layout
 from ..runtime import Runtime
 from ..unit import ShardedUnit
@@ -53,8 +53,8 @@ class ParamSlot:
 def runtime_of(model: nn.Module, what: str) -> Runtime:
     """The model's runtime, idle, its mesh spanning the whole world (sharded over it, or
     hybrid: sharded within groups and replicated across them)."""
-    rt = _runtime(model)
-    _require_idle(rt, what)
+    rt = runtimes.runtime_of(model)
+    runtimes.require_idle(rt, what)
     if dist.get_world_size(rt.mesh.whole) != dist.get_world_size():
         raise NotImplementedError(
             f"{what}() of a model sharded over a subgroup of the world is not supported: shard the "

@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import _runtime, units
+from ..api import units
 from ..policies import Sharding
 from ..quantize import Codec
+from ..runtime import runtime_of
 from ..unit import ReplicatedUnit, ShardedUnit
 
 
@@ -82,10 +83,10 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
     full = _full_numel(model)
     psi = sum(full.values())
     us = units(model)
-    mesh = _runtime(model).mesh
+    mesh = runtime_of(model).mesh
     n = dist.get_world_size(us[0].group)
     r = dist.get_world_size(mesh.replicate) if mesh.replicate is not None else 1
-    comm = _runtime(model).comm
+    comm = runtime_of(model).comm
     b_gather = _wire(comm.gather, us[0].compute_dtype.itemsize, psi)
     b_reduce = _wire(comm.reduce, us[0].reduce_dtype.itemsize, psi)
     b_replica = _wire(comm.replica, us[0].reduce_dtype.itemsize, psi)

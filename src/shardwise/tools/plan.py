@@ -19,6 +19,7 @@ the plan shows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import re
@@ -32,12 +33,15 @@ import torch.nn as nn
 from .. import collectives, groups
 from .. import placement as placements
 from ..api import shard
+from ..build import select_units
 from ..checkpointing import checkpoint_activations
 from ..errors import ShardwiseError
 from ..placement import Placement
-from ..policies import Comm, MixedPrecision
+from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
 from ..scaler import GradScaler
 from ..wrap import Policy
+from . import budget as search
+from .costs import rates as measured_rates
 from .trace import _FakeAllocations, trace, when
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")  # side by side unless one is named
@@ -82,6 +86,7 @@ class Estimate:
     # leaves), then on the device "forward", "backward" (the loss included) and "optimizer"
     # (the host's, with cpu_offload on a GPU)
     phases: dict[str, int] = field(default_factory=dict)
+    settings: Settings | None = None  # what shard(plan=...) applies for it
 
     @property
     def model_state(self) -> int:
@@ -106,7 +111,8 @@ class Estimate:
 
 @dataclass
 class Plan:
-    """Estimates side by side; with a budget, the cheapest that fits and why."""
+    """Estimates side by side; with a budget, the search's path (tools/budget.py), the
+    fastest configuration on it that fits, and why."""
 
     estimates: list[Estimate]
     title: str
@@ -114,6 +120,17 @@ class Plan:
     choice: Estimate | None = None
     reason: str = ""
     one_memory: bool = False  # a CPU run: host and device are one memory (Note [one memory])
+    path: list[search.Step] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # moves that lowered nothing
+
+    @property
+    def settings(self) -> Settings:
+        """The chosen configuration, as ``shard(model, plan=...)`` applies it."""
+        if self.choice is None or self.choice.settings is None:
+            raise ShardwiseError(
+                f"this plan chose nothing to apply: {self.reason or 'it was made without budget='}"
+            )
+        return self.choice.settings
 
     def __str__(self) -> str:
         return render(self)
@@ -172,20 +189,24 @@ def _no_values(module: nn.Module) -> None:
     """shard()'s initialiser in the planner: fake tensors hold no values to set."""
 
 
-def _step(job: _Job, model: nn.Module, opt: torch.optim.Optimizer, scaler) -> None:
+def _step(job: _Job, model: nn.Module, opt: torch.optim.Optimizer, scaler, around_forward=None) -> None:
     """One training step as the user's loop takes it: forward, loss, backward, optimizer step
-    (a GradScaler's finite check reads values, which fake tensors lack: the step is taken)."""
+    (a GradScaler's finite check reads values, which fake tensors lack: the step is taken).
+    ``around_forward``: a context the forward and the loss run in (the search's profile)."""
     args = job.micro_batch()
-    out = job.loss(model, *args) if job.loss is not None else model(*args)
+    with around_forward or contextlib.nullcontext():
+        out = job.loss(model, *args) if job.loss is not None else model(*args)
     loss = out if out.dim() == 0 else out.float().sum()
     (scaler.scale(loss) if scaler is not None else loss).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def _run(job: _Job, strategy: str, wrap: Policy | None, checkpointing: bool, offload: bool):
-    """Shard, take a step, trace the next: the trace, the optimizer's name and shard()'s own
-    peak and final bytes (its log, as the tracer keeps one)."""
+def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Profile | None = None):
+    """Shard as ``settings`` say (with ``checkpointing``, also ``job.checkpointing``'s
+    modules), take a step, trace the next: the trace, the optimizer's name and shard()'s own
+    peak and final bytes (its log, as the tracer keeps one). A ``profile`` given gets the
+    units' forward FLOPs and saved activations from the first step."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when planning
 
     model = job.build()
@@ -195,15 +216,13 @@ def _run(job: _Job, strategy: str, wrap: Policy | None, checkpointing: bool, off
         try:
             shard(
                 model,
-                wrap=wrap,
-                strategy=strategy,
+                plan=settings,
                 mixed_precision=job.precision,
-                cpu_offload=offload,
                 max_unsharded=job.max_unsharded,
                 init=_no_values,
                 placement=job.placement,
                 comm=job.comm,
-                **({"shard_size": job.shard_size} if strategy in HYBRID else {}),
+                **({"shard_size": job.shard_size} if settings.strategy in HYBRID else {}),
             )
         finally:
             entries = log.stop()
@@ -211,10 +230,53 @@ def _run(job: _Job, strategy: str, wrap: Policy | None, checkpointing: bool, off
             checkpoint_activations(model, job.checkpointing)
         opt = job.optimizer(list(model.parameters()))
         scaler = GradScaler(model) if job.precision.needs_loss_scaling else None
-        _step(job, model, opt, scaler)
+        _step(job, model, opt, scaler, _profiling(model, settings, profile) if profile else None)
         with trace(model, opt) as t:
             _step(job, model, opt, scaler)
     return t.data, type(opt).__name__, _peak_and_end(entries)
+
+
+@contextlib.contextmanager
+def _profiling(model: nn.Module, settings: Settings, profile: search.Profile):
+    """Inside (a forward), count each unit's forward FLOPs (torch's FlopCounterMode, by
+    module) and the bytes of activations it saves for backward (parameters excluded): what
+    recomputing it costs and saves. A tensor saved inside nested units counts for the
+    innermost."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    modules = dict(model.named_modules())
+    stack: list[str] = []  # the units whose forward is running, innermost last
+
+    def enter(name: str):
+        def hook(*_) -> None:
+            stack.append(name)
+
+        return hook
+
+    def leave(*_) -> None:
+        stack.pop()
+
+    hooks = []
+    for name, _ in settings.units:
+        hooks.append(modules[name].register_forward_pre_hook(enter(name)))
+        hooks.append(modules[name].register_forward_hook(leave, always_call=True))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if stack and not isinstance(t, nn.Parameter):
+            profile.saved_bytes[stack[-1]] = profile.saved_bytes.get(stack[-1], 0) + t.numel() * t.element_size()
+        return t
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        for h in hooks:
+            h.remove()
+    counts = counter.get_flop_counts()
+    top = type(model).__name__
+    for name, _ in settings.units:
+        profile.forward_flops[name] = sum(counts.get(f"{top}.{name}" if name else top, {}).values())
 
 
 def _peak_and_end(entries: list[tuple[int, int, int, int]]) -> tuple[int, int]:
@@ -243,28 +305,31 @@ ONE_MEMORY = (
 def _estimate(
     data: dict,
     shard_bytes: tuple[int, int],
+    settings: Settings,
     *,
-    strategy: str,
-    wrap: str,
     checkpointing: bool,
-    offload: bool,
     precision_name: str,
     one_memory: bool,
 ) -> Estimate:
     """The estimate read off a traced step (rank 0's record; see the module doc). With
-    cpu_offload on a GPU the host holds the shards and optimizer state, and the step's
-    gradients and temporaries; the device what forward and backward add. On a CPU run both
-    are one memory, and the peak is all of it (Note [one memory])."""
-    split = offload and not one_memory  # host and device apart
+    offload on a GPU the host holds the offloaded units' shards and optimizer state, and the
+    step's gradients and temporaries; the device what forward and backward add. On a CPU run
+    both are one memory, and the peak is all of it (Note [one memory])."""
+    offloaded = [c.offload for _, c in settings.units]  # (in the runtime's order of units)
+    split = any(offloaded) and not one_memory  # host and device apart
     rank, cats = data["ranks"][0], data["categories"]
     rows = [dict(zip(cats, m[2:-1]), peak=m[-1]) for m in rank["memory"] if m[1] == "cpu"]
     labels, stages = when(rank, data["units"])
     after_backward = stages.index("optimizer") - 1  # the sample as the optimizer begins
     step = [r for r, s in zip(rows, stages) if s == "optimizer"]
     if split:
-        landed = _landed(rank, data["units"])
+        landed = _landed(rank, data["units"], offloaded)
+        # the offloaded units' share of the shards, and of the optimizer state (as large as
+        # the shards it steps, per element)
+        sizes = [u["shard_bytes"] for u in data["units"]]
+        share = sum(b for b, o in zip(sizes, offloaded) if o) / max(1, sum(sizes))
         device = [
-            r["peak"] - r["param_shards"] - r["optimizer"] - g if s in ("forward", "backward") else 0
+            r["peak"] - share * (r["param_shards"] + r["optimizer"]) - g if s in ("forward", "backward") else 0
             for r, s, g in zip(rows, stages, landed)
         ]
     else:
@@ -276,12 +341,12 @@ def _estimate(
     if split:
         phases["optimizer"] = max(r["peak"] for r in step)
     return Estimate(
-        strategy=strategy,
-        wrap=wrap if strategy != "no_shard" else "-",
+        strategy=settings.strategy,
+        wrap=_policy_name(settings.wrap) if settings.strategy != "no_shard" else "-",
         world_size=data["world_size"],
         mixed_precision=precision_name,
-        cpu_offload=offload,
-        activation_checkpointing=checkpointing,
+        cpu_offload=any(offloaded),
+        activation_checkpointing=checkpointing or any(c.checkpoint != "none" for _, c in settings.units),
         units=tuple(
             UnitRow(u["name"], u["params"], u["shard_bytes"], u["gathered_bytes"], tuple(map(tuple, u.get("owned", ()))))
             for u in data["units"]
@@ -291,11 +356,12 @@ def _estimate(
         optimizer=rows[-1]["optimizer"],
         gathered_peak=max(r["gathered"] for r in rows),
         activations=max(r["activations"] for r in rows),
-        peak=device[top],
+        peak=int(device[top]),
         peak_at=labels[top],
         host=max(r["peak"] for r in step) if split else 0,
         comm=_mean_comm(rank["comm"], data["world_size"], data["units"]),
-        phases=phases,
+        phases={k: int(v) for k, v in phases.items()},
+        settings=settings,
     )
 
 
@@ -311,10 +377,10 @@ def _mean_comm(comm: dict, world: int, units: list[dict]) -> dict[str, int]:
     }
 
 
-def _landed(rank: dict, units: list[dict]) -> list[int]:
+def _landed(rank: dict, units: list[dict], offloaded: list[bool]) -> list[int]:
     """For each CPU memory sample, the bytes of gradient shards landed in host memory so far
-    (cpu_offload: a unit's when its reduction is done; as large as its shard)."""
-    size = [u["shard_bytes"] for u in units]
+    (an offloaded unit's when its reduction is done; as large as its shard)."""
+    size = [u["shard_bytes"] if o else 0 for u, o in zip(units, offloaded)]
     done = sorted((e[0], size[e[2]]) for e in rank["events"] if e[1] == "reduce_done")
     out, k, total = [], 0, 0
     for sample in rank["memory"]:
@@ -397,11 +463,13 @@ def plan(
     backend: the collectives' backend the run will use, "gloo" or "nccl" (default: nccl where
     CUDA is available, else gloo, as ``shardwise.init`` picks); they lay buffers out differently.
 
-    budget: bytes or a string such as "24GiB": the configurations tried are every strategy,
-    wrap None and ``wrap``, activation checkpointing off and on (with
-    ``activation_checkpointing``, else the wrap policy) and offload off and on (on a GPU: on a
-    CPU run, host and device are one memory and offload saves nothing, Note [one memory]); the
-    choice is the first whose peak fits, in order of cost (see ``COST_ORDER``).
+    budget: bytes or a string such as "24GiB": a per-unit configuration of ``wrap``'s units
+    that fits, in the least predicted step time (tools/budget.py: a path from DDP through
+    sharding, then per unit resharding after forward, recomputation and, on a GPU, offload,
+    the cheapest saving per predicted second first, each move planned again). The plan's
+    ``settings`` is what ``shard(model, plan=p)`` applies. The strategy, checkpointing and
+    offload are then the search's to choose (a hybrid strategy may be named: the search keeps
+    its shard groups).
 
     It plans in this process, anywhere in a script, before or after ``shardwise.init()``: the
     fake world stands beside the run's own (Note [a world beside the real one] in groups.py),
@@ -445,6 +513,14 @@ def plan(
             "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
             "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
         )
+    if budget is not None and (
+        activation_checkpointing is not None or cpu_offload or (strategy is not None and strategies[0] not in HYBRID)
+    ):
+        raise ShardwiseError(
+            "with budget=, plan() chooses the strategy, activation checkpointing and offload per "
+            "unit of wrap: leave strategy (other than a hybrid one), activation_checkpointing "
+            "and cpu_offload unset"
+        )
     probe = build()
     if inputs is None and seq_len is None:
         seq_len = getattr(getattr(probe, "cfg", None), "seq_len", None)
@@ -472,88 +548,61 @@ def plan(
         comm=comm,
     )
     one_memory = backend == "gloo"  # shardwise computes on the CPU under Gloo
-    if budget is None:  # DDP, for comparison, holds everything on the device
-        configs = [
-            (s, wrap, activation_checkpointing is not None, cpu_offload and s != "no_shard")
-            for s in strategies
-        ]
-    else:
-        configs = [
-            (s, w, ckpt, off)
-            for s in STRATEGIES
-            for w in ([None] if s == "no_shard" else dict.fromkeys([None, wrap]))
-            for ckpt in ([False, True] if ckpt_policy else [False])
-            for off in ([False] if s == "no_shard" or one_memory else [False, True])
-        ]
-    estimates, optimizer_name = [], ""
-    with groups.fake_world(world_size, backend):
-        for s, w, ckpt, off in configs:
-            data, optimizer_name, shard_bytes = _run(job, s, w, ckpt, off)
-            estimates.append(
-                _estimate(
-                    data,
-                    shard_bytes,
-                    strategy=s,
-                    wrap=_policy_name(w),
-                    checkpointing=ckpt,
-                    offload=off,
-                    precision_name=precision_name,
-                    one_memory=one_memory,
-                )
+    names = [u.name for u in select_units(probe, wrap)]
+    estimates, optimizer_name, steps, dropped = [], "", [], []
+    with groups.fake_world(world_size, backend), collectives.apart():
+
+        def run(settings: Settings, checkpointing: bool = False, profile=None) -> Estimate:
+            nonlocal optimizer_name
+            data, optimizer_name, shard_bytes = _run(job, settings, checkpointing, profile)
+            return _estimate(
+                data, shard_bytes, settings,
+                checkpointing=checkpointing, precision_name=precision_name, one_memory=one_memory,
             )
+
+        if budget is None:
+            for s in strategies:
+                uniform = _uniform(names, s, wrap, cpu_offload and s != "no_shard")
+                estimates.append(run(uniform, activation_checkpointing is not None))
+        else:
+            def profile_of(settings: Settings) -> tuple[Estimate, search.Profile]:
+                profile = search.Profile({}, {}, {}, {})
+                e = run(settings, profile=profile)
+                for n, u in zip(names, e.units):
+                    profile.gathered_bytes[n], profile.shard_bytes[n] = u.gathered_bytes, u.shard_bytes
+                return e, profile
+
+            hybrid = strategies[0] in HYBRID
+            sharded = ("hybrid_shard_grad_op", "hybrid_shard") if hybrid else ("shard_grad_op", "full_shard")
+            steps, dropped = search.path(
+                names, wrap, sharded, run, profile_of, measured_rates(backend),
+                world=world_size, offload=not one_memory,
+            )
+            estimates = [s.estimate for s in steps]
     n_params = sum(p.numel() for p in probe.parameters())
     tokens_shown = f"{batch_size} x {seq_len}" if inputs is None else "inputs()"
     title = (
         f"{n_params:,} parameters, {world_size} rank{'s' * (world_size > 1)} ({backend}), "
         f"micro-batch {tokens_shown} per rank, {precision_name}, optimizer {optimizer_name}"
     )
-    result = Plan(estimates, title, one_memory=one_memory)
+    result = Plan(estimates, title, one_memory=one_memory, path=steps, dropped=dropped)
     if budget is not None:
         result.budget = parse_bytes(budget)
-        result.choice, result.reason = choose(estimates, result.budget)
+        step, result.reason = search.choose(steps, result.budget)
+        result.choice = step.estimate if step else None
     return result
+
+
+def _uniform(names: list[str], strategy: str, wrap: Policy | None, offload: bool) -> Settings:
+    """One setting for every unit, as a strategy name means it (``offload``: cpu_offload)."""
+    keep = Sharding.of(strategy).reshard_after_forward
+    return Settings(
+        strategy, wrap, tuple((n, UnitConfig(reshard_after_forward=keep and bool(n), offload=offload)) for n in names)
+    )
 
 
 def _policy_name(policy: Policy | None) -> str:
     return "none" if policy is None else repr(policy)
-
-
-SIMPLEST_FIRST = ("no_shard", "shard_grad_op", "full_shard")
-COST_ORDER = (
-    "no offload before offload (host transfers every step), no checkpointing before "
-    "checkpointing (a third more compute), fewer bytes sent per step, no_shard before "
-    "shard_grad_op before full_shard, then fewer units (fewer, larger collectives)"
-)
-
-
-def choose(estimates: list[Estimate], budget: int) -> tuple[Estimate | None, str]:
-    """The first estimate that fits ``budget`` in ``COST_ORDER``, and a sentence saying why."""
-    unit = max(1, max(e.sent for e in estimates) // 100)  # traffic compared to 1%: equal is equal
-    order = sorted(
-        estimates,
-        key=lambda e: (
-            e.cpu_offload,
-            e.activation_checkpointing,
-            round(e.sent / unit),
-            SIMPLEST_FIRST.index(e.strategy),
-            len(e.units),
-        ),
-    )
-    cheaper = []
-    for e in order:
-        if e.peak <= budget:
-            share = f"{100 * e.peak / budget:.0f}%"
-            why = f"{e.label} fits: predicted peak {_fmt(e.peak)} of {_fmt(budget)} ({share})"
-            if cheaper:
-                misses = "; ".join(f"{c.label} needs {_fmt(c.peak)}" for c in cheaper[:4])
-                why += f". Cheaper configurations do not fit: {misses}"
-            return e, why + f". Order of cost: {COST_ORDER}."
-        cheaper.append(e)
-    best = min(estimates, key=lambda e: e.peak)
-    return None, (
-        f"nothing fits {_fmt(budget)}: the smallest peak is {_fmt(best.peak)} ({best.label}). "
-        "Lower the micro-batch, use more ranks, or use mixed precision."
-    )
 
 
 _UNITS = {
@@ -625,7 +674,8 @@ def render(p: Plan) -> str:
         rows.append(("  across shard groups", lambda e: e.comm.get("replica_all_reduce", 0)))
     for start in range(0, len(cols), 4):
         chunk = cols[start : start + 4]
-        lines.append(f"{'per rank, MiB':<27}" + "".join(f"{_short(e):>26}" for e in chunk))
+        heads = [f"path {start + j}" if p.path else _short(e) for j, e in enumerate(chunk)]
+        lines.append(f"{'per rank, MiB':<27}" + "".join(f"{h:>26}" for h in heads))
         for name, get in rows:
             lines.append(f"  {name:<25}" + "".join(f"{_mib(get(e)):>26}" for e in chunk))
         lines.append(f"  {'peak happens at':<25}" + "".join(f"{e.peak_at[:25]:>26}" for e in chunk))
@@ -648,7 +698,13 @@ def render(p: Plan) -> str:
     if p.one_memory and (p.budget is not None or any(c.cpu_offload for c in cols)):
         lines.append(ONE_MEMORY + ".")
     if p.budget is not None:
+        lines += ["", "the search's path, fastest first (tools/budget.py):"]
+        lines += [f"  {i}. {s.why}" for i, s in enumerate(p.path)]
+        if p.dropped:
+            lines.append("  dropped: " + "; ".join(p.dropped))
         lines.append(f"budget {_fmt(p.budget)}: " + ("choose " if p.choice else "") + p.reason)
+        if p.choice is not None:
+            lines += search.table(p.choice.settings)
     return "\n".join(lines)
 
 

@@ -56,9 +56,8 @@ from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import events, groups
-from ..api import _runtime
 from ..collectives import comm_stats
-from ..runtime import Phase, _tensors
+from ..runtime import Phase, _tensors, runtime_of
 from ..unit import ShardedUnit, Unit
 
 FORMAT = "shardwise-trace"
@@ -428,7 +427,7 @@ class Trace:
     are collective: every rank must do both."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        self.runtime = _runtime(model)
+        self.runtime = runtime_of(model)
         self.model, self.optimizer = model, optimizer
         self.units = self.runtime.units
         self.index = {u.label: i for i, u in enumerate(self.units)}

@@ -1,0 +1,257 @@
+"""The budget search: a per-unit configuration that fits a memory budget in the least
+predicted step time.
+
+The search walks one path from the fastest configuration to the smallest. It starts with
+DDP (no_shard: nothing gathered, recomputed or offloaded), then shards parameters, gradients
+and optimizer state with every unit kept gathered from forward to backward (shard_grad_op:
+the same bytes sent per step as DDP's all-reduce, on a ring), then applies one per-unit move
+at a time, the cheapest memory saving per predicted second first:
+
+- reshard a unit after forward: it is gathered again for backward (one more all-gather of
+  its parameters over the network) and frees them in between;
+- recompute a unit (activation checkpointing): its forward again in backward, for the bytes
+  its activations held; or selectively: keep its matrix products' and attention's outputs and
+  recompute only the operations between (priced as one pass over its activations at the
+  host copy rate, a stand-in for memory bandwidth, for an estimated half of their bytes);
+- offload a unit's state (on a GPU only: on a CPU run host and device are one memory, Note
+  [one memory] in plan.py): its shards, gradients and optimizer state cross the host link.
+
+Savings are estimated to order the moves (gathered bytes; the unit's saved activations;
+its state), each kind's scaled by what its last kept move really saved of its estimate; each
+move is then re-planned with the real runtime on fake tensors, kept if the predicted peak went
+down (by ``LEAST`` of it at least) and dropped if not. The path does not depend on the budget: every
+budget takes the first configuration on it that fits, so a larger budget never gets a
+slower one, and the last is the smallest peak possible with these moves. A choice keeps a
+margin under the budget (``MARGIN``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..policies import Settings, UnitConfig
+from .costs import Rates
+
+LEAST = 1e-3  # a move that lowers the peak by less than this share costs time for nothing
+
+
+@dataclass(frozen=True)
+class Step:
+    """A configuration on the path, what it cost to get there and why."""
+
+    settings: Settings
+    estimate: object  # plan.Estimate (its peak and bytes sent)
+    seconds: float  # predicted step time
+    why: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the search knows of each unit before it moves any: by unit name."""
+
+    forward_flops: dict[str, int]  # its module's forward, nested units included
+    saved_bytes: dict[str, int]  # activations its forward saves for backward (not parameters)
+    gathered_bytes: dict[str, int]
+    shard_bytes: dict[str, int]
+
+
+def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> float:
+    """Predicted step time: forward and backward (three forwards), recomputation, the bytes
+    the collectives send and the offloaded units' host traffic (shards in once per gather,
+    gradients out)."""
+    fwd = profile.forward_flops.get("", 0)
+    recompute = sum(
+        profile.forward_flops.get(n, 0) for n, c in settings.units if c.checkpoint == "full"
+    )
+    passes = sum(
+        profile.saved_bytes.get(n, 0) for n, c in settings.units if c.checkpoint == "selective"
+    )
+    host = sum(
+        profile.shard_bytes.get(n, 0) * (3 if c.reshard_after_forward else 2)
+        for n, c in settings.units
+        if c.offload
+    )
+    return rates.seconds(flops=3 * fwd + recompute, host=host + passes, network=sent)
+
+
+def path(
+    names: list[str],
+    wrap,
+    sharded: tuple[str, str],
+    run: Callable[[Settings], object],
+    profile_of: Callable[[Settings], tuple[object, Profile]],
+    rates: Rates,
+    *,
+    world: int,
+    offload: bool,
+) -> tuple[list[Step], list[str]]:
+    """The path from DDP to the smallest configuration (see the module doc), and the moves
+    dropped on the way (they lowered nothing). ``names``: the units of ``wrap``, innermost
+    first, the root ("") last; ``sharded``: the strategy names for every unit kept gathered
+    and for some resharded (hybrid variants where planned so); ``run`` plans one
+    configuration; ``profile_of`` plans one and profiles its units."""
+    kept = Settings(
+        sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names)
+    )
+    current, profile = profile_of(kept)
+    ddp = Settings("no_shard", None, (("", UnitConfig(reshard_after_forward=False)),))
+    e = run(ddp)
+    steps = [
+        Step(
+            ddp,
+            e,
+            seconds(ddp, e.sent, profile, rates),
+            "DDP: nothing gathered, recomputed or offloaded",
+        )
+    ]
+    settings, dropped = kept, []
+    t = seconds(kept, current.sent, profile, rates)
+    if current.peak < e.peak:
+        why = f"shard parameters, gradients and optimizer state, every unit kept gathered to backward: {_delta(e, current, steps[0].seconds, t)}"
+        steps.append(Step(kept, current, t, why))
+    non_root = [n for n in names if n]
+    moves = [(kind, n) for kind in ("reshard", "recompute", "selective") for n in non_root]
+    moves += [("offload", n) for n in names] if offload else []
+
+    def estimate(move: tuple[str, str]) -> tuple[float, float]:
+        """Predicted seconds a move adds and bytes it saves, before it is planned."""
+        kind, n = move
+        if kind == "reshard":  # (one rank without a cast: the gathered parameters are the shard)
+            gathered = profile.gathered_bytes[n]
+            saved = gathered if world > 1 or gathered != profile.shard_bytes[n] else 0
+            return rates.seconds(network=gathered * (world - 1) / world), saved
+        if kind == "recompute":
+            return rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(
+                n, 0
+            )
+        if kind == "selective":
+            return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(
+                n, 0
+            ) / 2
+        # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
+        return rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
+
+    # what the last kept move of each kind saved of its estimate: the next of its kind is
+    # priced with it (savings estimated from bytes held miss when those bytes are held)
+    learned: dict[str, float] = {}
+
+    def price(move: tuple[str, str]) -> float:
+        """Predicted seconds per byte saved: the cheapest is tried next."""
+        cost, saved = estimate(move)
+        return cost / (saved * learned.get(move[0], 1.0))
+
+    remaining = [m for m in moves if estimate(m)[1] > 0]  # (a move that saves nothing: not tried)
+    while remaining:
+        kind, n = min(remaining, key=price)
+        remaining.remove((kind, n))
+        if kind == "selective" and settings.of(n).checkpoint == "full":
+            continue  # (recomputed whole already: keeping more would save nothing)
+        trial = _moved(settings, kind, n, sharded)
+        e = run(trial)
+        label = f"{kind} {n or '<root>'}"
+        if e.peak > current.peak * (1 - LEAST):
+            dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
+            continue
+        learned[kind] = (current.peak - e.peak) / estimate((kind, n))[1]
+        t_new = seconds(trial, e.sent, profile, rates)
+        if e.peak < steps[-1].estimate.peak:
+            steps.append(
+                Step(
+                    trial,
+                    e,
+                    t_new,
+                    f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}",
+                )
+            )
+        settings, current = trial, e
+    return steps, dropped
+
+
+def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -> Settings:
+    """``settings`` with one unit's setting changed."""
+    change = {
+        "reshard": {"reshard_after_forward": True},
+        "recompute": {"checkpoint": "full"},
+        "selective": {"checkpoint": "selective"},
+        "offload": {"offload": True},
+    }
+    units = tuple((n, replace(c, **change[kind]) if n == name else c) for n, c in settings.units)
+    strategy = sharded[1] if any(c.reshard_after_forward for _, c in units) else sharded[0]
+    return Settings(strategy, settings.wrap, units)
+
+
+# the headroom a choice keeps under the budget: the planner's peaks matched MemTracker's to
+# within bytes on CPU (docs/tools.md), but a prediction is not a measurement
+MARGIN = 0.01
+
+
+def needs(step: Step) -> int:
+    """The smallest budget ``step`` is chosen for: its predicted peak and the margin."""
+    return math.ceil(step.estimate.peak * (1 + MARGIN))
+
+
+def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
+    """The first step of the path that fits ``budget`` with the margin (the fastest that
+    does), and why."""
+    for i, s in enumerate(steps):
+        if needs(s) <= budget:
+            share = f"{100 * s.estimate.peak / budget:.0f}%"
+            why = (
+                f"{describe(s.settings)}: predicted peak {_fmt(s.estimate.peak)} of {_fmt(budget)} ({share}), "
+                f"predicted step {1e3 * s.seconds:.1f} ms"
+            )
+            if i:
+                why += ". Faster configurations do not fit: " + "; ".join(
+                    f"{describe(f.settings)} needs {_fmt(f.estimate.peak)}"
+                    for f in steps[max(0, i - 3) : i]
+                )
+            return s, why
+    best = steps[-1]
+    return None, (
+        f"nothing fits {_fmt(budget)}: the smallest peak possible is {_fmt(best.estimate.peak)} "
+        f"({describe(best.settings)}), which needs a budget of {_fmt(needs(best))} with the "
+        f"{MARGIN:.0%} margin. Lower the micro-batch, use more ranks, or use mixed precision."
+    )
+
+
+def describe(settings: Settings) -> str:
+    """A configuration in a few words: the strategy, then how many units do what."""
+    if settings.strategy == "no_shard":
+        return "no_shard (DDP)"
+    units = [c for n, c in settings.units if n]
+    parts = [settings.strategy]
+    if units:
+        parts.append(
+            f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward"
+        )
+    for what, count in (
+        ("recomputed", sum(c.checkpoint == "full" for c in units)),
+        ("recomputed selectively", sum(c.checkpoint == "selective" for c in units)),
+        ("offloaded", sum(c.offload for _, c in settings.units)),
+    ):
+        if count:
+            parts.append(f"{count} {what}")
+    return ", ".join(parts)
+
+
+def table(settings: Settings) -> list[str]:
+    """The per-unit table of a configuration."""
+    lines = [f"  {'unit':<28}{'reshard after fwd':>18}{'checkpoint':>12}{'offload':>9}"]
+    for n, c in settings.units:
+        lines.append(
+            f"  {n or '<root>':<28}{'yes' if c.reshard_after_forward else 'no':>18}{c.checkpoint:>12}"
+            f"{'yes' if c.offload else 'no':>9}"
+        )
+    return lines
+
+
+def _delta(before, after, t0: float, t1: float) -> str:
+    return (
+        f"peak {_fmt(before.peak)} -> {_fmt(after.peak)}, step {1e3 * t0:.1f} -> {1e3 * t1:.1f} ms"
+    )
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
