@@ -214,6 +214,18 @@ def global_mean(loss: torch.Tensor) -> float:
     return float(t) / dist.get_world_size()
 
 
+def differences(model: nn.Module, ref: nn.Module, start: dict) -> tuple[float, dict[str, float]] | None:
+    """On rank 0 (None elsewhere; collective): the largest difference between the sharded
+    model's final parameters and the reference's, and how far each reference tensor moved
+    from ``start``, by name (so a comparison is of real training)."""
+    full = shardwise.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    end = ref.state_dict()
+    diff = max((full[k] - v).abs().max().item() for k, v in end.items())
+    return diff, {k: (start[k] - v).abs().max().item() for k, v in end.items()}
+
+
 def train_pair(
     kind: str, strategy: str, wrap: str, steps: int = 10, per_rank: int = 2, lr: float = 1e-2, **options
 ):

@@ -14,6 +14,7 @@ from nets import (
     MoEBlock,
     TiedTransformer,
     batch,
+    differences,
     global_mean,
     local_slice,
     loss_of,
@@ -221,12 +222,10 @@ def _train_whole(kind, strategy, optimizer, placement, steps, micro, clip, check
             o.zero_grad()
         losses.append(total)
         ref_losses.append(ref_total)
-    full = shardwise.full_state_dict(model)
-    if dist.get_rank() != 0:
+    compared = differences(model, ref, start)
+    if compared is None:
         return None
-    end = ref.state_dict()
-    diff = max((full[k] - v).abs().max().item() for k, v in end.items())
-    moved = {k: (start[k] - v).abs().max().item() for k, v in end.items()}
+    diff, moved = compared
     return losses, ref_losses, diff, moved, sorted(whole), step_comm
 
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from nets import batch, global_mean, local_slice, loss_of, make, wrap_policy
+from nets import batch, differences, global_mean, local_slice, loss_of, make, wrap_policy
 
 import shardwise
 
@@ -74,12 +74,10 @@ def train_dynamic(
         ref_opt.zero_grad(set_to_none=not keep_grads)
         losses.append(total)
         ref_losses.append(ref_total)
-    full = shardwise.full_state_dict(model)
-    if dist.get_rank() != 0:
+    compared = differences(model, ref, start)
+    if compared is None:
         return None
-    end = ref.state_dict()
-    diff = max((full[k] - v).abs().max().item() for k, v in end.items())
-    moved = {k: (start[k] - v).abs().max().item() for k, v in end.items()}
+    diff, moved = compared
     return losses, ref_losses, nones, norms, diff, moved
 
 
