@@ -195,7 +195,8 @@ def test_lost_node_restarts_on_the_other_and_resumes(pools, tmp_path):
         time.sleep(0.05)
     assert ckpt.latest(ckdir) is not None, "no checkpoint within 120 s"
     kill_node(procs.pop("b"))  # every rank of node b, mid-run, and its agent
-    codes = finish(procs, tmp_path, timeout=240)  # the survivors time out, restart and resume: slow on a busy 2-core machine
+    # the survivors time out, restart and resume: slow on a busy 2-core machine
+    codes = finish(procs, tmp_path, timeout=240)
     out, err = log(tmp_path, "a", "out"), log(tmp_path, "a", "err")
     assert codes == {"a": 0}, (codes, err[-4000:])
     assert "CollectiveError" in err, err[-6000:]  # the survivors ended with it, then were restarted
