@@ -64,13 +64,15 @@ class Codec:
             return out
         nb = _blocks(n)
         scales, codes = out[: 4 * nb].view(torch.float32), out[4 * nb :].view(_CODE[self.name])
-        blocks = F.pad(x.float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
         qmax = _QMAX[self.name]
-        torch.div(blocks.abs().amax(1), qmax, out=scales)
-        # an all-zero block keeps scale 0 and codes 0 (decoded exactly); divide by 1 there
-        q = blocks / torch.where(scales > 0, scales, 1.0)[:, None]
-        q = q.view(-1)[:n].clamp_(-qmax, qmax)
-        codes.copy_(q.round_() if self.name == "int8" else q)
+        # whole blocks as one view, the last partial one apart: no padded copy of the message
+        for xs, ss, cs in _block_parts(x.float(), scales, codes):
+            torch.linalg.vector_norm(xs, float("inf"), dim=1, out=ss)  # absmax, in one pass
+            ss.div_(qmax)
+            # an all-zero block keeps scale 0 and codes 0 (decoded exactly); divide by 1 there
+            q = xs / torch.where(ss > 0, ss, 1.0)[:, None]
+            q.clamp_(-qmax, qmax)
+            cs.copy_(q.round_() if self.name == "int8" else q)
         return out
 
     def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
@@ -82,8 +84,10 @@ class Codec:
             return message.view(torch.bfloat16).float()
         nb = _blocks(numel)
         scales, codes = message[: 4 * nb].view(torch.float32), message[4 * nb :].view(_CODE[self.name])
-        values = F.pad(codes.float(), (0, nb * BLOCK - numel)).view(nb, BLOCK)
-        return values.mul_(scales[:, None]).view(-1)[:numel]
+        values = codes.float()
+        for vs, ss, _ in _block_parts(values, scales, values):
+            vs.mul_(ss[:, None])
+        return values
 
     def bound(self, x: torch.Tensor) -> torch.Tensor:
         """Per element of ``x``, the largest error ``decode(encode(x))`` may make."""
@@ -94,12 +98,24 @@ class Codec:
         absmax = F.pad(x.abs(), (0, nb * BLOCK - n)).view(nb, BLOCK).amax(1)
         scale = (absmax / _QMAX[self.name]).repeat_interleave(BLOCK)[:n]
         if self.name == "int8":
-            return scale / 2 * (1 + 2.0**-20)  # (and the fp32 rounding of x / s)
+            # (and fp32's rounding of x / s and of code * s, up to 2^-24 of |x| <= 127 s each)
+            return scale / 2 * (1 + 2.0**-14)
         return x.abs() * 2.0**-4 + scale * 2.0**-10
 
 
 def _blocks(numel: int) -> int:
     return -(-numel // BLOCK)
+
+
+def _block_parts(x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor):
+    """``x`` (1-D) as rows of ``BLOCK`` elements with their scales and codes (1-D, as long as
+    ``x``): the whole blocks as one 2-D view, then the last, partial one."""
+    n = x.numel()
+    whole = n // BLOCK
+    if whole:
+        yield x[: whole * BLOCK].view(whole, BLOCK), scales[:whole], codes[: whole * BLOCK].view(whole, BLOCK)
+    if n > whole * BLOCK:
+        yield x[whole * BLOCK :].view(1, -1), scales[whole:], codes[whole * BLOCK :].view(1, -1)
 
 
 def codec(name: str | None) -> Codec | None:
