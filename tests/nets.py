@@ -214,6 +214,20 @@ def global_mean(loss: torch.Tensor) -> float:
     return float(t) / dist.get_world_size()
 
 
+def counted_steps(model: nn.Module, steps: int = 2) -> dict:
+    """SGD steps of the tied model on fixed batches; ``comm_stats()`` of the last ``steps``
+    (the first step learns the orders and is not counted)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps + 1):
+        if step == 1:
+            shardwise.reset_comm_stats()
+        x, y = batch("tied", step, 8)
+        loss_of(model, local_slice(x), local_slice(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    return shardwise.comm_stats()
+
+
 def differences(model: nn.Module, ref: nn.Module, start: dict) -> tuple[float, dict[str, float]] | None:
     """On rank 0 (None elsewhere; collective): the largest difference between the sharded
     model's final parameters and the reference's, and how far each reference tensor moved

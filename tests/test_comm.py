@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from nets import batch, global_mean, local_slice, loss_of, make, wrap_policy
+from nets import batch, counted_steps, global_mean, local_slice, loss_of, make, wrap_policy
 
 import shardwise
 from shardwise import Comm, ShardwiseError
@@ -220,15 +220,7 @@ def bytes_per_step(strategy, comm, shard_size=None, steps=2):
     model = shardwise.shard(
         make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy, shard_size=shard_size, comm=comm
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps + 1):
-        if step == 1:  # the first step learns the orders
-            shardwise.reset_comm_stats()
-        x, y = batch("tied", step, 8)
-        loss_of(model, local_slice(x), local_slice(y)).backward()
-        opt.step()
-        opt.zero_grad()
-    stats = shardwise.comm_stats()
+    stats = counted_steps(model, steps)
     return {k: stats[k].bytes // steps for k in ("all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce")}
 
 

@@ -7,7 +7,16 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from nets import batch, global_mean, local_slice, loss_of, make, train_pair, wrap_policy
+from nets import (
+    batch,
+    counted_steps,
+    global_mean,
+    local_slice,
+    loss_of,
+    make,
+    train_pair,
+    wrap_policy,
+)
 
 import shardwise
 from shardwise import ShardwiseError
@@ -41,15 +50,7 @@ def bytes_per_step(strategy, shard_size, steps=2):
     model = shardwise.shard(
         make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy, shard_size=shard_size
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps + 1):
-        if step == 1:  # the first step learns the orders
-            shardwise.reset_comm_stats()
-        x, y = batch("tied", step, 8)
-        loss_of(model, local_slice(x), local_slice(y)).backward()
-        opt.step()
-        opt.zero_grad()
-    stats = shardwise.comm_stats()
+    stats = counted_steps(model, steps)
     rt = model._shardwise
     s, r = shard_size, 4 // shard_size
     expected = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}

@@ -24,6 +24,7 @@ from nets import (
 
 import shardwise
 from shardwise.placement import choose_owners
+from shardwise.tools.bench_optim import fp32_newton_schulz, orthogonalized
 
 
 # --- models with matrices the nets do not have: a weight tied inside a unit, stacked experts
@@ -91,20 +92,6 @@ MODELS = {
 }
 
 
-def _orthogonalized(g: torch.Tensor, steps: int = 5, coefficients=(3.4445, -4.7750, 2.0315)) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz over the last two dims (batched over the others), in fp32."""
-    a, b, c = coefficients
-    x = g.to(torch.float32)
-    wide = x.size(-2) > x.size(-1)
-    if wide:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.mT if wide else x
-
-
 @shardwise.placement.needs_whole_matrices
 class BatchedMuon(torch.optim.Optimizer):
     """Muon over the trailing matrices of a parameter of any rank: stacked experts ``[E, a, b]``
@@ -121,24 +108,7 @@ class BatchedMuon(torch.optim.Optimizer):
                     continue
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
                 buf.lerp_(p.grad, 1 - group["momentum"])
-                p.add_(_orthogonalized(p.grad.lerp(buf, group["momentum"])), alpha=-group["lr"])
-
-
-@contextlib.contextmanager
-def fp32_newton_schulz():
-    """torch.optim.Muon with its Newton–Schulz in fp32 instead of bf16. In bf16 a last-bit
-    difference of the gradient (a data-parallel sum is not one process's sum) flips a rounding
-    now and then, which the iteration amplifies: any data-parallel run, DDP included, then
-    ends ~1e-3 from one process (test_stock_muon_matches_ddp_bitwise). The rest of Muon, its
-    shape-dependent learning rate and its state, stays stock."""
-    import torch.optim._muon as muon
-
-    stock = muon._zeropower_via_newtonschulz
-    muon._zeropower_via_newtonschulz = lambda g, coefficients, steps, eps: _orthogonalized(g, steps, coefficients)
-    try:
-        yield
-    finally:
-        muon._zeropower_via_newtonschulz = stock
+                p.add_(orthogonalized(p.grad.lerp(buf, group["momentum"])), alpha=-group["lr"])
 
 
 def _optimizers(model: nn.Module, whole: set[str], optimizer: str):

@@ -38,9 +38,24 @@ def make_optimizers(name: str, model: nn.Module, block: type[nn.Module], optimiz
     return [torch.optim.Muon(matrices, lr=2e-2), torch.optim.AdamW(rest, lr=1e-3)]
 
 
+def orthogonalized(g: torch.Tensor, steps: int = 5, coefficients=(3.4445, -4.7750, 2.0315)) -> torch.Tensor:
+    """Muon's quintic Newton–Schulz iteration in fp32, over the last two dims (batched over
+    any others, as stacked experts' matrices)."""
+    a, b, c = coefficients
+    x = g.to(torch.float32)
+    wide = x.size(-2) > x.size(-1)
+    if wide:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if wide else x
+
+
 @contextlib.contextmanager
 def fp32_newton_schulz():
-    """Run torch.optim.Muon's Newton–Schulz in fp32 (it runs in bf16). For the exactness check
+    """Run torch.optim.Muon's Newton–Schulz in fp32 (it runs in bf16). For exactness checks
     only: in bf16 the last-bit difference between a data-parallel gradient sum and one
     process's flips a rounding now and then, which the iteration amplifies, so every
     data-parallel system, DDP included, drifts ~1e-3 from one process within a few steps;
@@ -48,19 +63,7 @@ def fp32_newton_schulz():
     import torch.optim._muon as muon
 
     stock = muon._zeropower_via_newtonschulz
-
-    def fp32(grad, coefficients, steps, eps):
-        a, b, c = coefficients
-        x = grad.to(torch.float32)
-        if x.size(0) > x.size(1):
-            x = x.T
-        x = x / x.norm().clamp(min=eps)
-        for _ in range(steps):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        return x.T if grad.size(0) > grad.size(1) else x
-
-    muon._zeropower_via_newtonschulz = fp32
+    muon._zeropower_via_newtonschulz = lambda g, coefficients, steps, eps: orthogonalized(g, steps, coefficients)
     try:
         yield
     finally:
