@@ -67,7 +67,9 @@ class Codec:
         qmax = _QMAX[self.name]
         # whole blocks as one view, the last partial one apart: no padded copy of the message
         for xs, ss, cs in _block_parts(x.float(), scales, codes):
-            torch.linalg.vector_norm(xs, float("inf"), dim=1, out=ss)  # absmax, in one pass
+            # absmax as the larger of -min and max: two reductions cost a seventh of one
+            # vector_norm(inf) (measured on CPU, torch 2.13)
+            torch.maximum(xs.amax(1), xs.amin(1).neg_(), out=ss)
             ss.div_(qmax)
             # an all-zero block keeps scale 0 and codes 0 (decoded exactly); divide by 1 there
             q = xs / torch.where(ss > 0, ss, 1.0)[:, None]

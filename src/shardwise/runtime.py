@@ -420,6 +420,8 @@ class Runtime:
                 if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
                     self.reduce(u)
             self.agreeing = self._agree_used()  # issued now, read after the last reductions' waits
+            for u in self.reducing:  # every all-reduce across replicas in flight before any wait
+                u.advance_reduce()
             for u in self.units:
                 u.finish_reduce()
             agreed, self.agreeing = self.agreeing(), None
