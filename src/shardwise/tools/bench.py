@@ -47,11 +47,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
-from ..collectives import step_check_nbytes
 from ..policies import Comm
 from ..quantize import FORMATS as WIRE_FORMATS
 from ..quantize import Codec
 from . import charts
+from .accounting import theory
 from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
@@ -762,43 +762,31 @@ def _tracked_peak(model, opts: list, kept: list[torch.Tensor], autocast, work: W
 
 
 # --------------------------------------------------------------------------- summary
-def _theory(
-    system: str,
-    psi: int,
-    root: int,
-    trained: int,
-    world: int,
-    b_gather: int,
-    b_reduce: int,
-    mesh: tuple[int, int] | None = None,
-) -> int:
-    """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
-    full shard gathers every unit twice, less the root's backward gather (the root stays
-    gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
-    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). Hybrid
-    systems on ``mesh`` (R replicas x S): the same over the S ranks of a shard group, and each
-    rank's reduced shard all-reduced across the R replicas (2 psi b (R-1)/(R S)). shardwise
-    adds its step check over all N: one all-reduce of a flag per trained parameter and two
-    numbers."""
+def _theory(system: str, cfg: BenchConfig, results: dict) -> int:
+    """Bytes per rank per step in theory for ``system`` (``accounting.theory``: ring
+    collectives; the root stays gathered from forward to backward, in shardwise as in FSDP2;
+    hybrid systems on the results' mesh; shardwise's step check)."""
     if system == "floor":
         return 0
-    wire = system.partition("+")[2]
-    b_across = b_reduce
-    if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole, ~exact)
+    psi = results["num_params"]
+    wire = system.partition("+")[2] or (cfg.comm if system.startswith("shardwise") else "exact")
+    b_gather, b_reduce, b_across = (2 if cfg.mixed_precision == "bf16" else 4), 4, 4
+    if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole)
         b_gather = b_reduce = b_across = Codec(wire).nbytes(psi) / psi
     elif wire.startswith("replica-"):
         b_across = Codec(wire.removeprefix("replica-")).nbytes(psi) / psi
-    strategy = strategy_of(system)
-    r, s = mesh if is_hybrid(system) else (1, world)
-    if strategy in ("full_shard", "hybrid_shard"):
-        gathered = (2 * psi - root) * b_gather + psi * b_reduce
-    elif strategy in ("shard_grad_op", "hybrid_shard_grad_op"):
-        gathered = psi * b_gather + psi * b_reduce
-    else:
-        gathered = 2 * psi * b_reduce
-    across = 2 * psi * b_across * (r - 1) // (r * s)
-    check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
-    return int(gathered * (s - 1) // s + across + check)
+    kinds = theory(
+        strategy_of(system) or "no_shard",
+        psi,
+        world=len(results["ranks"]),
+        replicas=results["mesh"][0] if results.get("mesh") else 1,
+        b_gather=b_gather,
+        b_reduce=b_reduce,
+        b_across=b_across,
+        root=results["root_params"],
+        trained=results["trained_tensors"] if system.startswith("shardwise") else None,
+    )
+    return int(sum(kinds.values()))
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -813,7 +801,6 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
     memory (the largest rank's), bytes per step, the ratios, and the first-loss check."""
     ranks = results["ranks"]
     world = len(ranks)
-    b_gather = 2 if cfg.mixed_precision == "bf16" else 4
     rows = {}
     for name in cfg.systems:
         per_rank = [r[name] for r in ranks]
@@ -844,16 +831,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "bytes_per_step": statistics.mean(sum(r[name]["bytes"].values()) for r in ranks),
             "bytes_by_kind": ranks[0][name]["bytes"],
             "shardwise_comm_stats_bytes": ranks[0][name]["shardwise_bytes"],
-            "theory_bytes": _theory(
-                name if "+" in name or cfg.comm == "exact" or not name.startswith("shardwise") else f"{name}+{cfg.comm}",
-                results["num_params"],
-                results["root_params"],
-                results["trained_tensors"],
-                world,
-                b_gather,
-                4,
-                results.get("mesh"),
-            ),
+            "theory_bytes": _theory(name, cfg, results),
             "wait_ms_per_step": 1e3 * sum(v[0]["wait_s"] for v in kept) / len(steps),
             # the slowest rank's optimizer steps (an owner orthogonalizes its matrices alone)
             "opt_ms": 1e3 * statistics.median(max(ts) for v in kept for ts in zip(*(r["opt_times"] for r in v))),

@@ -19,12 +19,17 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ..collectives import step_check_nbytes
+import torch
+
 from ..policies import Sharding
+from . import accounting
 from . import trace as T
 
 TEMPLATE = "report_template.html"
-_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, None: 4}
+
+
+def _itemsize(dtype: str | None) -> int:
+    return getattr(torch, dtype or "float32").itemsize
 
 
 def build(data: dict, step: int = -1) -> dict:
@@ -148,32 +153,13 @@ def figures(data: dict, index: int) -> dict:
     reps, s = mesh["replicate"], mesh["shard"]
     units = data["units"]
     psi = sum(u["params"] for u in units)
-    b_gather = _ITEM[data["precision"]["param_dtype"]]
-    b_reduce = _ITEM[data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"]]
-    sharding = Sharding.of(data["strategy"])
-    gathers = 2 if sharding.reshard_after_forward else 1
-    if not sharding.shard:
-        theory = {
-            "all_gather": 0,
-            "reduce_scatter": 0,
-            "all_reduce": 2 * psi * b_reduce * (n - 1) // n,
-        }
-        formula = "2*psi*b*(N-1)/N"
-    else:
-        theory = {
-            "all_gather": gathers * psi * b_gather * (s - 1) // s,
-            "reduce_scatter": psi * b_reduce * (s - 1) // s,
-            "all_reduce": 0,
-        }
-        group = "S" if sharding.hybrid else "N"
-        formula = f"({gathers}*b_gather + b_reduce)*psi*({group}-1)/{group}"
-    if sharding.hybrid:
-        theory["replica_all_reduce"] = 2 * psi * b_reduce * (reps - 1) // (reps * s)
-        formula += " + 2*b_reduce*psi*(R-1)/(R*S)"
-    # the step check: one all-reduce of a flag per trained parameter and two numbers
+    b_gather = _itemsize(data["precision"]["param_dtype"])
+    b_reduce = _itemsize(data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"])
     trained = sum(u.get("trained", 0) for u in units)
-    theory["step_check"] = 2 * step_check_nbytes(trained) * (n - 1) // n if n > 1 else 0
-    formula += " + step check"
+    theory = accounting.theory(
+        data["strategy"], psi, world=n, replicas=reps, b_gather=b_gather, b_reduce=b_reduce, trained=trained
+    )
+    formula = accounting.formula(data["strategy"], b_gather == b_reduce) + " + step check"
     # the ranks each kind runs over: gathers, reduce-scatters and clipping's all-reduce in
     # the shard group (the world, without hybrid sharding)
     over = {"all_gather": s, "reduce_scatter": s, "all_reduce": s, "replica_all_reduce": reps, "step_check": n}
@@ -216,10 +202,10 @@ def figures(data: dict, index: int) -> dict:
         ]
         if ends:
             opt_total += max(m[2 + data["categories"].index("optimizer")] for m in ends)
-    master = sum(u["params"] * _ITEM[u["dtype"]] for u in units)
+    master = sum(u["params"] * _itemsize(u["dtype"]) for u in units)
     ddp_state = 2 * master + opt_total  # whole parameters and gradients, all of the state
     links = None
-    if sharding.hybrid:
+    if "replica_all_reduce" in theory:
         within = ("all_gather", "reduce_scatter", "all_reduce")
         links = {
             "within": [sum(x[k] for k in within) for x in sent],
