@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,6 +50,7 @@ from .. import groups
 from ..policies import Comm
 from ..quantize import FORMATS as WIRE_FORMATS
 from ..quantize import Codec
+from ..runtime import _tensors
 from . import charts
 from .accounting import theory
 from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
@@ -71,8 +72,6 @@ HYBRID_SYSTEMS = (
     "fsdp2/hybrid_shard_grad_op",
     "shardwise/hybrid_shard_grad_op",
 )
-# shardwise with its blocks' matrices owned whole (placement=shardwise.placement.matrices)
-OWNED_SYSTEMS = ("shardwise/full_shard+owned", "shardwise/hybrid_shard+owned")
 # --optimizer muon: Muon on the blocks' matrices (owned; FSDP2's DTensors), and rows + AdamW
 MUON_SYSTEMS = ("fsdp2/full_shard", "shardwise/full_shard+owned", "shardwise/full_shard")
 KNOWN = SYSTEMS + HYBRID_SYSTEMS
@@ -182,75 +181,45 @@ def _comm_of(system: str, cfg: BenchConfig) -> Comm | str | None:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--model", choices=MODELS, default=d.model, help="GPT size, mlp, or mha (MHAGPT small)"
-    )
-    p.add_argument(
-        "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank"
-    )
+    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT size, mlp, or mha (MHAGPT small)")
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (GPT)")
-    p.add_argument(
-        "--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary (at least 256)"
-    )
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary (at least 256)")
     p.add_argument("--rounds", type=int, default=d.rounds, help="visits of each system")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per visit")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per visit")
-    p.add_argument(
-        "--systems",
-        help="comma-separated subset of: " + ", ".join(KNOWN) + " (default: " + ", ".join(SYSTEMS) + ")",
-    )
-    p.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        help="compare under one strategy: the floor, DDP, FSDP2 and shardwise (instead of --systems)",
-    )
-    p.add_argument(
-        "--shard-size",
-        type=int,
-        default=d.shard_size,
-        help="hybrid strategies: ranks per shard group (default: the ranks of one node)",
-    )
+    p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(KNOWN)} (default: {', '.join(SYSTEMS)})")
+    p.add_argument("--strategy", choices=STRATEGIES,
+                   help="compare under one strategy: the floor, DDP, FSDP2 and shardwise (instead of --systems)")
+    p.add_argument("--shard-size", type=int, default=d.shard_size,
+                   help="hybrid strategies: ranks per shard group (default: the ranks of one node)")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
     p.add_argument("--comm", choices=("exact", *WIRE_FORMATS), default=d.comm,
                    help='precision on the wire of shardwise systems (a system may say its own: "+int8")')
     p.add_argument("--nodes", type=int, choices=(1, 2), default=d.nodes,
                    help="2: two nodes of --nproc ranks, network namespaces joined by a shaped veth link (root)")
     p.add_argument("--link", default=d.link, help="--nodes 2: the link's rate each way (tc units)")
-    p.add_argument(
-        "--compile", action="store_true", help="torch.compile each block of every system alike"
-    )
-    p.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default=d.optimizer,
-        help="muon: Muon on the blocks' matrices, AdamW on the rest (shardwise owned, FSDP2), "
-        "against shardwise rows + AdamW (the default systems then)",
-    )
+    p.add_argument("--compile", action="store_true", help="torch.compile each block of every system alike")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+                   help="muon: Muon on the blocks' matrices, AdamW on the rest (shardwise owned, FSDP2), "
+                   "against shardwise rows + AdamW (the default systems then)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
     p.add_argument("--out", default=d.out, help="output directory")
-    p.add_argument(
-        "--quiet",
-        type=float,
-        default=d.quiet,
-        help=f"redo a visit (up to {REDOS} times) when other processes took more than this share "
-        "of the machine's CPU during it, and wait for such a quiet machine before each (1: never)",
-    )
+    p.add_argument("--quiet", type=float, default=d.quiet,
+                   help=f"redo a visit (up to {REDOS} times) when other processes took more than this share "
+                   "of the machine's CPU during it, and wait for such a quiet machine before each (1: never)")
     a = vars(p.parse_args(argv))
-    strategy = a.pop("strategy")
-    if strategy is not None and a["systems"] is not None:
+    strategy, systems = a.pop("strategy"), a.pop("systems")
+    if strategy is not None and systems is not None:
         p.error("pass --strategy or --systems, not both")
     if strategy is not None:
         a["systems"] = systems_for(strategy)
-    elif a["systems"] is not None:
-        a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
+    elif systems is not None:
+        a["systems"] = tuple(s.strip() for s in systems.split(",") if s.strip())
     else:
-        a["systems"] = (
-            TWO_NODE_SYSTEMS if a["nodes"] == 2 else MUON_SYSTEMS if a["optimizer"] == "muon" else d.systems
-        )
+        a["systems"] = TWO_NODE_SYSTEMS if a["nodes"] == 2 else MUON_SYSTEMS if a["optimizer"] == "muon" else SYSTEMS
     return BenchConfig(**a)
 
 
@@ -293,12 +262,10 @@ def _across_a_link(cfg: BenchConfig, argv: list[str]) -> None:
 def _without_nproc(argv: list[str]) -> list[str]:
     """``argv`` less ``--nproc``: torchrun's parser takes it for its own ``--nproc_per_node``
     even after the module's name (and a rank under torchrun ignores it anyway)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg == "--nproc":
+            next(args, None)
         elif not arg.startswith("--nproc="):
             out.append(arg)
     return out
@@ -324,46 +291,39 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     from ..data import get_batch, rank_slice
     from ..models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 
-    n = cfg.warmup + cfg.steps
+    rows = cfg.batch_size * world  # one global batch per step, split among the ranks
+    mha = cfg.model == "mha"
     if cfg.model == "mlp":
+        block, tokens = Layer, rows
 
         def build() -> nn.Module:
             return MLPStack(MLP_DIMS)
 
-        batches = []
-        for step in range(n):
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-            x = torch.randn(cfg.batch_size * world, MLP_DIMS[0], generator=g)
-            y = torch.randn(cfg.batch_size * world, MLP_DIMS[-1], generator=g)
-            batches.append(
-                (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
-            )
-        block, tokens = Layer, cfg.batch_size * world
+            return torch.randn(rows, MLP_DIMS[0], generator=g), torch.randn(rows, MLP_DIMS[-1], generator=g)
 
         def loss(model, x, y):
             return F.mse_loss(model(x), y)
     else:
-        mha = cfg.model == "mha"
-        mcfg = gpt_config(
-            "small" if mha else cfg.model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size
-        )
+        mcfg = gpt_config("small" if mha else cfg.model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
+        block, tokens = (MHABlock if mha else Block), rows * cfg.seq_len
 
         def build() -> nn.Module:
             return MHAGPT(mcfg) if mha else GPT(mcfg)
 
-        batches = []
-        for step in range(n):
-            x, y = get_batch(step, cfg.batch_size * world, cfg.seq_len, seed=cfg.seed)
-            batches.append(
-                (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
-            )
-        block, tokens = (MHABlock if mha else Block), cfg.batch_size * world * cfg.seq_len
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return get_batch(step, rows, cfg.seq_len, seed=cfg.seed)
 
         def loss(model, x, y):
             if mha:  # the loss outside the model, as most training loops have it
                 return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             return model(x, y)
 
+    batches = [
+        tuple(rank_slice(t, rank, world).to(device) for t in batch(step))
+        for step in range(cfg.warmup + cfg.steps)
+    ]
     torch.manual_seed(cfg.seed)
     probe = build()
     total = sum(p.numel() for p in probe.parameters())
@@ -415,19 +375,11 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
     elif kind == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if bf16
-            else MixedPrecisionPolicy()
-        )
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+        reshard = strategy in ("full_shard", "hybrid_shard")
         for m in model.modules():
             if isinstance(m, work.block):
-                fully_shard(
-                    m,
-                    mesh=mesh,
-                    reshard_after_forward=strategy in ("full_shard", "hybrid_shard"),
-                    mp_policy=mp,
-                )
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         # the root keeps its default: not resharded after forward, as shardwise's root unit
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif kind == "ddp":
@@ -637,10 +589,10 @@ class CommCounter(TorchDispatchMode):
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]
             if name == "send":  # point to point: the message's own bytes
-                self.bytes["send"] = self.bytes.get("send", 0) + sum(_nbytes(t) for t in args[0])
+                self.bytes["send"] = self.bytes.get("send", 0) + sum(t.nbytes for t in args[0])
             elif name in self.OPS:
                 kind, i = self.OPS[name]
-                full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
+                full = sum(t.nbytes for t in _tensors(args[i], []))
                 factor = 2 if kind == "all_reduce" else 1
                 n = _group_size(args, self.world)
                 moved = factor * full * (n - 1) // n
@@ -657,18 +609,6 @@ def _group_size(args, default: int) -> int:
             with contextlib.suppress(Exception):
                 return dist.ProcessGroup.unbox(a).size()
     return default
-
-
-def _flat_tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _flat_tensors(o)]
-    return []
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes) -> dict:
@@ -789,13 +729,6 @@ def _theory(system: str, cfg: BenchConfig, results: dict) -> int:
     return int(sum(kinds.values()))
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summarize(cfg: BenchConfig, results: dict) -> dict:
     """Per system: step-time statistics over the slowest rank of each step, tokens/s, peak
     memory (the largest rank's), bytes per step, the ratios, and the first-loss check."""
@@ -816,8 +749,8 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
         )
         rows[name] = {
             "median_ms": 1e3 * med,
-            "p25_ms": 1e3 * _quantile(steps, 0.25),
-            "p75_ms": 1e3 * _quantile(steps, 0.75),
+            "p25_ms": 1e3 * float(np.percentile(steps, 25)),
+            "p75_ms": 1e3 * float(np.percentile(steps, 75)),
             "step_ms": [1e3 * t for t in steps],
             "cpu_ms_per_rank": 1e3
             * statistics.median(c for v in kept for r in v for c in r["own_cpu"]),

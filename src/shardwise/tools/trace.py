@@ -39,6 +39,7 @@ import os
 import sys
 import time
 import weakref
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -258,16 +259,7 @@ Storages = dict[int, tuple[str, torch.UntypedStorage, str]]
 def _in_flight(pending) -> list[torch.Tensor]:
     """The tensors a gather in flight holds: its receive rows, or, encoded on the wire, the
     messages it sends and receives (its rows are decoded only at the wait)."""
-    if pending is None:
-        return []
-    found, todo = [], [pending.result, pending.buffers]
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return found
+    return [] if pending is None else _tensors((pending.result, pending.buffers), [])
 
 
 def _add(out: Storages, category: str, t: torch.Tensor | None) -> None:
@@ -453,24 +445,16 @@ class Trace:
             dist.barrier()
         self._t0 = time.perf_counter()
         self._comm0 = comm_stats()
-        self._handles.append(
-            self.model.register_forward_pre_hook(self._on_root_forward, prepend=True)
-        )
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         root = self.units[-1]
         self._root_silent = not (isinstance(root, ShardedUnit) or root.casts)
         if self._root_silent:  # no_shard runs no forward hooks of its own (like DDP): mark its forward
             self._handles.append(self.model.register_forward_hook(self._on_root_forward_end))
         if self.optimizer is not None:
-            self._handles.append(
-                self.optimizer.register_step_pre_hook(
-                    lambda *a: self._event("optimizer", -1, edge="begin")
-                )
-            )
-            self._handles.append(
-                self.optimizer.register_step_post_hook(
-                    lambda *a: self._event("optimizer", -1, edge="end")
-                )
-            )
+            self._handles += [
+                self.optimizer.register_step_pre_hook(lambda *a: self._event("optimizer", -1, edge="begin")),
+                self.optimizer.register_step_post_hook(lambda *a: self._event("optimizer", -1, edge="end")),
+            ]
         self._known = _Known(self.units, self.optimizer, self.runtime, self._log)
         if self._log is not None:
             self._log.start()
@@ -537,19 +521,14 @@ class Trace:
         elif name in ("gather_issue", "reduce_issue"):
             ev.append(fields["bytes"])
         elif name == "collective":
-            ev += [
-                fields["kind"],
-                fields["bytes"],
-                self._rel(fields["t_issue"]),
-                round(fields["wait_s"], 7),
-            ]
+            ev += [fields["kind"], fields["bytes"], self._rel(fields["t_issue"]), round(fields["wait_s"], 7)]
         self._events.append(ev)
         if name in ("gather_issue", "reduce_issue") and unit >= 0:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
                 self._flight[id(p)] = (name.split("_")[0], unit, p)
                 if self._log is not None:  # (see _Allocations.watch_buffers)
-                    self._log.watch_buffers(_tensors((p.result, p.buffers), []))
+                    self._log.watch_buffers(_in_flight(p))
         self._poll(rel)
         self._sample(t)
 
@@ -577,27 +556,14 @@ class Trace:
             if name == "cuda":
                 d["activations"] = max(0, total - sum(d.values()))
             if name != "meta":
-                self._memory.append(
-                    [
-                        rel,
-                        name,
-                        *(d[c] for c in CATEGORIES),
-                        peak if name == "cuda" else sum(d.values()),
-                    ]
-                )
+                high = peak if name == "cuda" else sum(d.values())
+                self._memory.append([rel, name, *(d[c] for c in CATEGORIES), high])
 
     # --- results
     def _gather(self) -> dict:
-        stats = comm_stats()
-        comm = {
-            k: {
-                "calls": v.calls - self._comm0[k].calls,
-                "bytes": v.bytes - self._comm0[k].bytes,
-                "payload_bytes": v.payload_bytes - self._comm0[k].payload_bytes,
-                "seconds": round(v.seconds - self._comm0[k].seconds, 7),
-                "wait_seconds": round(v.wait_seconds - self._comm0[k].wait_seconds, 7),
-            }
-            for k, v in stats.items()
+        comm = {  # what the traced steps added to each kind's totals
+            k: {f: round(getattr(v, f) - getattr(self._comm0[k], f), 7) for f in asdict(v)}
+            for k, v in comm_stats().items()
         }
         mine = {
             "rank": dist.get_rank(),
@@ -641,17 +607,18 @@ class Trace:
 
     def save(self, path: str | Path) -> Path:
         """Write the compact trace (the input of ``shardwise report``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self._require(), separators=(",", ":")))
-        return path
+        return _write(path, json.dumps(self._require(), separators=(",", ":")))
 
     def save_chrome(self, path: str | Path) -> Path:
         """Write the trace in Chrome's trace event format (Perfetto, chrome://tracing)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(to_chrome(self._require())))
-        return path
+        return _write(path, json.dumps(to_chrome(self._require())))
+
+
+def _write(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Trace:
@@ -678,11 +645,9 @@ def _unit_info(u: Unit) -> dict:
             "dtype": _dtype(u.flat_shard.dtype),
             "params": u.layout.numel,
             "trained": u.num_trainable,
-            "shard_bytes": u.flat_shard.numel() * u.flat_shard.element_size(),
+            "shard_bytes": u.flat_shard.nbytes,
             "gathered_bytes": u.layout.unsharded_numel * item,
-            "owned": [
-                [s.name, s.owner, s.numel * u.flat_shard.element_size()] for s in u.layout.slots if s.owned
-            ],
+            "owned": [[s.name, s.owner, s.numel * u.flat_shard.element_size()] for s in u.layout.slots if s.owned],
         }
     numel = sum(p.numel() for p in u.params)
     return {
@@ -691,7 +656,7 @@ def _unit_info(u: Unit) -> dict:
         "dtype": _dtype(u.params[0].dtype) if u.params else "float32",
         "params": numel,
         "trained": u.num_trainable,
-        "shard_bytes": sum(p.numel() * p.element_size() for p in u.params),
+        "shard_bytes": sum(p.nbytes for p in u.params),
         "gathered_bytes": numel * u.compute_dtype.itemsize if u.casts else 0,
     }
 
@@ -746,16 +711,8 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
             s = _span("replica", "all_reduce", name(unit), ev[5], t)
             s.update(bytes=ev[4], wait=ev[6])
             out.append(s)
-        elif kind == "collective":
-            stream = (
-                "gather"
-                if ev[3] == "all_gather"
-                else "reduce"
-                if ev[3] in ("reduce_scatter", "all_reduce")
-                else None
-            )
-            if stream is not None:
-                _close(issued, (stream, unit), t, wait=ev[6], kind=ev[3])
+        elif kind == "collective" and ev[3] in _STREAM:
+            _close(issued, (_STREAM[ev[3]], unit), t, wait=ev[6])
     for (stream, unit), items in issued.items():
         for t0, t1, nbytes, wait in items:
             s = _span(stream, stream, name(unit), t0, t1 if t1 is not None else end)
@@ -767,13 +724,15 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
     return out
 
 
+# the stream whose span a collective's wait closes
+_STREAM = {"all_gather": "gather", "reduce_scatter": "reduce", "all_reduce": "reduce"}
+
+
 def _span(track: str, kind: str, unit: str, start: float, end: float) -> dict:
     return {"track": track, "kind": kind, "unit": unit, "start": start, "end": max(start, end)}
 
 
-def _close(
-    issued: dict, key: tuple[str, int], t: float, wait: float | None = None, kind: str | None = None
-) -> None:
+def _close(issued: dict, key: tuple[str, int], t: float, wait: float | None = None) -> None:
     """Give the earliest open (or waiting) span of ``key`` its end and, at the wait, its wait."""
     for item in issued.get(key, []):
         if wait is not None and item[3] is None:
@@ -858,36 +817,15 @@ def to_chrome(data: dict) -> dict:
     out = []
     for r in data["ranks"]:
         pid = r["rank"]
-        out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {pid}"}})
-        out.append(
-            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}
-        )
+        out += _names(pid, None, f"rank {pid}", pid)
         every = spans(r, data["units"])
         for track in names:
             mine = [s for s in every if s["track"] == track]
             if track == "replica" and not mine:  # hybrid sharding only
                 continue
-            n = lanes(mine) if track != "compute" else 1
-            for lane in range(n):
+            for lane in range(lanes(mine) if track != "compute" else 1):
                 label = names[track] + (f" ({lane + 1})" if lane else "")
-                out.append(
-                    {
-                        "ph": "M",
-                        "pid": pid,
-                        "tid": base[track] + lane,
-                        "name": "thread_name",
-                        "args": {"name": label},
-                    }
-                )
-                out.append(
-                    {
-                        "ph": "M",
-                        "pid": pid,
-                        "tid": base[track] + lane,
-                        "name": "thread_sort_index",
-                        "args": {"sort_index": base[track] + lane},
-                    }
-                )
+                out += _names(pid, base[track] + lane, label, base[track] + lane)
         for s in every:
             label = f"{s['kind']} {s['unit']}".strip()
             ev = {
@@ -902,18 +840,19 @@ def to_chrome(data: dict) -> dict:
             if "bytes" in s:
                 ev["args"] = {"bytes": s["bytes"], "blocked_us": round(s["wait"] * 1e6, 3)}
             out.append(ev)
-        for sample in r["memory"]:
-            t, dev, *values, _peak = sample
-            out.append(
-                {
-                    "ph": "C",
-                    "pid": pid,
-                    "name": f"memory {dev} (MiB)",
-                    "ts": round(t * 1e6, 3),
-                    "args": {c: round(v / 2**20, 4) for c, v in zip(data["categories"], values)},
-                }
-            )
+        for t, dev, *values, _peak in r["memory"]:
+            mib = {c: round(v / 2**20, 4) for c, v in zip(data["categories"], values)}
+            out.append({"ph": "C", "pid": pid, "name": f"memory {dev} (MiB)", "ts": round(t * 1e6, 3), "args": mib})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _names(pid: int, tid: int | None, name: str, index: int) -> list[dict]:
+    """Chrome's metadata events naming and ordering a process (``tid`` None) or a thread."""
+    kind, at = ("process", {}) if tid is None else ("thread", {"tid": tid})
+    return [
+        {"ph": "M", "pid": pid, **at, "name": f"{kind}_name", "args": {"name": name}},
+        {"ph": "M", "pid": pid, **at, "name": f"{kind}_sort_index", "args": {"sort_index": index}},
+    ]
 
 
 def summary(data: dict) -> list[dict]:
@@ -925,29 +864,14 @@ def summary(data: dict) -> list[dict]:
     for r in data["ranks"]:
         by_dev: dict[str, dict] = {}
         ends = {e[0] for e in r["events"] if e[1] == "step_end"}
-        for sample in r["memory"]:
-            t, dev, *values, peak = sample
-            d = by_dev.setdefault(
-                dev,
-                {
-                    "rank": r["rank"],
-                    "device": dev,
-                    "peak": 0,
-                    "at_peak": None,
-                    "model_state": 0,
-                    "_top": -1,
-                },
-            )
-            total = sum(values)
+        top: dict[str, int] = {}  # the highest sampled total per device
+        for t, dev, *values, peak in r["memory"]:
+            d = by_dev.setdefault(dev, {"rank": r["rank"], "device": dev, "peak": 0, "at_peak": None, "model_state": 0})
+            v, total = dict(zip(cats, values)), sum(values)
             d["peak"] = max(d["peak"], peak, total)
-            if total > d["_top"]:
-                d["_top"], d["at_peak"] = total, dict(zip(cats, values))
+            if total > top.get(dev, -1):
+                top[dev], d["at_peak"] = total, v
             if t in ends:
-                v = dict(zip(cats, values))
-                d["model_state"] = max(
-                    d["model_state"], v["param_shards"] + v["gradients"] + v["optimizer"]
-                )
-        for d in by_dev.values():
-            del d["_top"]
-            out.append(d)
+                d["model_state"] = max(d["model_state"], v["param_shards"] + v["gradients"] + v["optimizer"])
+        out += by_dev.values()
     return out
