@@ -28,30 +28,26 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
 from ..policies import Comm
 from ..quantize import FORMATS as WIRE_FORMATS
 from ..quantize import Codec
-from ..runtime import _tensors
-from . import charts
+from . import bench_counts, charts, machine
 from .accounting import theory
 from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
@@ -105,7 +101,6 @@ def systems_for(strategy: str) -> tuple[str, ...]:
 MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
 MLP_DIMS = [1024] * 9  # 8 Linear(1024, 1024) layers: 8.4M parameters
 REDOS = 3  # times a visit is run again when other processes took more than --quiet of the CPU
-QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
 
 
 @dataclass(frozen=True)
@@ -440,9 +435,9 @@ def run_rank(cfg: BenchConfig) -> dict:
     for r in range(cfg.rounds):
         for name in cfg.systems:
             for attempt in range(1 + REDOS):
-                quiet = _wait_until_quiet(cfg.quiet)
+                quiet = machine.wait_until_quiet(cfg.quiet)
                 visit = timed_visit(name, cfg, work, device, meshes)
-                visit["others_load"] = _others_load(visit)
+                visit["others_load"] = machine.others_load(visit)
                 if visit["others_load"] <= cfg.quiet or not quiet or attempt == REDOS:
                     break  # (a machine that never fell quiet gets no redo: it would not help)
             visit["attempts"] = attempt + 1
@@ -472,7 +467,7 @@ def run_rank(cfg: BenchConfig) -> dict:
         "trained_tensors": work.trained_tensors,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
-        "machine": _machine(device.type),
+        "machine": machine.describe(device.type),
     }
 
 
@@ -490,7 +485,7 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
         if i == cfg.warmup:
             reset_comm_stats()
         dist.barrier()
-        busy0, cpu0 = _machine_busy_s(), time.process_time()
+        busy0, cpu0 = machine.busy_s(), time.process_time()
         t0 = time.perf_counter()
         loss, opt_s = train_step(model, opts, autocast, work, x, y)
         _sync(device)
@@ -501,114 +496,12 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
             visit["times"].append(dt)
             visit["opt_times"].append(opt_s)
             visit["own_cpu"].append(time.process_time() - cpu0)
-            visit["busy"].append(_machine_busy_s() - busy0)
+            visit["busy"].append(machine.busy_s() - busy0)
     visit["wait_s"] = sum(s.wait_seconds for s in comm_stats(reset=True).values())
     visit["peak_cuda"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     del model, opts, autocast, loss
     gc.collect()  # the system's reference cycles too: the next visit starts clean
     return visit
-
-
-def _others_load(visit: dict) -> float:
-    """The median share of the machine's CPU that other processes took during the visit's
-    timed steps: busy time (rank 0's machine) less what this machine's ranks used (collective;
-    the same answer on every rank)."""
-    from ..groups import device
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    own, times, busy = (
-        torch.tensor(visit[k], dtype=torch.float64, device=device())
-        for k in ("own_cpu", "times", "busy")
-    )
-    own *= dist.get_rank() < local
-    dist.all_reduce(own)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.broadcast(busy, 0)
-    return float(((busy - own) / (times * (os.cpu_count() or 1))).clamp(0, 1).median())
-
-
-def _wait_until_quiet(quiet: float) -> bool:
-    """Hold every rank until other processes leave the machine nearly idle (at most
-    ``quiet`` of its CPU over half a second), for at most ``QUIET_PATIENCE_S``; whether it
-    was (collective: the same answer on every rank)."""
-    from ..groups import device
-
-    found = torch.ones(1, device=device())
-    if quiet < 1 and dist.get_rank() == 0:
-        deadline = time.monotonic() + QUIET_PATIENCE_S
-        found.zero_()
-        while not found and time.monotonic() < deadline:
-            b0 = _machine_busy_s()
-            time.sleep(0.5)
-            found.fill_(float((_machine_busy_s() - b0) / (0.5 * (os.cpu_count() or 1)) <= quiet))
-    dist.broadcast(found, 0)
-    return bool(found)
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy since boot (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class CommCounter(TorchDispatchMode):
-    """Counts the bytes of every ``c10d`` collective dispatched while active, per kind.
-
-    Bytes are what a ring moves per rank, as ``shardwise.comm_stats`` books them: (N-1)/N of the
-    full tensor for all-gather and reduce-scatter (and of the tensor of a broadcast or reduce),
-    twice that for all-reduce; N is the size of the collective's group (the default group's,
-    ``world``, where the op does not say).
-    """
-
-    # op name -> (kind, which argument holds the full tensor(s))
-    OPS: ClassVar[dict[str, tuple[str, int]]] = {
-        "allreduce_": ("all_reduce", 0),
-        "allreduce_coalesced_": ("all_reduce", 0),
-        "_allgather_base_": ("all_gather", 0),
-        "allgather_": ("all_gather", 0),
-        "allgather_into_tensor_coalesced_": ("all_gather", 0),
-        "_reduce_scatter_base_": ("reduce_scatter", 1),
-        "reduce_scatter_": ("reduce_scatter", 1),
-        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-        "broadcast_": ("broadcast", 0),
-        "reduce_": ("reduce", 0),
-    }
-
-    def __init__(self, world: int):
-        super().__init__()
-        self.world = world
-        self.bytes: dict[str, int] = {}
-        self.unknown: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func._schema.name.split("::")[-1]
-            if name == "send":  # point to point: the message's own bytes
-                self.bytes["send"] = self.bytes.get("send", 0) + sum(t.nbytes for t in args[0])
-            elif name in self.OPS:
-                kind, i = self.OPS[name]
-                full = sum(t.nbytes for t in _tensors(args[i], []))
-                factor = 2 if kind == "all_reduce" else 1
-                n = _group_size(args, self.world)
-                moved = factor * full * (n - 1) // n
-                self.bytes[kind] = self.bytes.get(kind, 0) + moved
-            elif name not in ("barrier", "monitored_barrier_", "recv_"):
-                self.unknown.add(name)
-        return func(*args, **(kwargs or {}))
-
-
-def _group_size(args, default: int) -> int:
-    """The size of the process group among a c10d op's arguments (boxed as a ScriptObject)."""
-    for a in args:
-        if isinstance(a, torch.ScriptObject):
-            with contextlib.suppress(Exception):
-                return dist.ProcessGroup.unbox(a).size()
-    return default
 
 
 def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes) -> dict:
@@ -617,12 +510,12 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     from ..collectives import comm_stats, reset_comm_stats
 
     model, opts, autocast = build_system(name, cfg, work, device, meshes)
-    ddp = _ddp_buckets(model) if device.type == "cpu" else None
+    ddp = bench_counts.ddp_buckets(model) if device.type == "cpu" else None
     for x, y in work.batches[: cfg.warmup]:
         train_step(model, opts, autocast, work, x, y)
     x, y = work.batches[-1]
     reset_comm_stats()
-    counter = CommCounter(dist.get_world_size())
+    counter = bench_counts.CommCounter(dist.get_world_size())
     if ddp is not None:
         ddp.clear()  # the buckets as this step uses them (DDP rebuilds them after its first)
     with counter:
@@ -644,61 +537,13 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
         "unknown_collectives": sorted(counter.unknown),
     }
     if device.type == "cpu":
-        res["peak_tracker"] = _tracked_peak(
-            model, opts, _kept_buckets(model, ddp), autocast, work, x, y
+        kept = bench_counts.kept_buckets(model, ddp)
+        res["peak_tracker"] = bench_counts.tracked_peak(
+            model, opts, kept, partial(train_step, model, opts, autocast, work, x, y)
         )
     del model, opts, autocast, ddp
     gc.collect()
     return res
-
-
-def _ddp_buckets(model: nn.Module) -> dict[int, torch.Tensor] | None:
-    """DDP's gradient buckets, filled in as its backward hands them to a comm hook that keeps
-    them and all-reduces as DDP's own does (None for the other systems)."""
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
-        return None
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    buckets: dict[int, torch.Tensor] = {}
-
-    def keep_and_allreduce(group, bucket):
-        buckets[bucket.index()] = bucket.buffer()
-        return allreduce_hook(group, bucket)
-
-    model.register_comm_hook(None, keep_and_allreduce)
-    return buckets
-
-
-def _kept_buckets(model: nn.Module, ddp: dict[int, torch.Tensor] | None) -> list[torch.Tensor]:
-    """The gradient buckets a system keeps from step to step besides its parameters, gradients
-    and optimizer state: DDP's and shardwise no_shard's. MemTracker counts a tensor made before
-    it starts only once an op writes it, so without them a peak before that write (say at the
-    end of forward) would leave the buckets out."""
-    if ddp is not None:
-        return list(ddp.values())
-    if not hasattr(model, "_shardwise"):  # the floor and FSDP2 keep none
-        return []
-    from .accounting import kept_buckets
-
-    return kept_buckets(model)
-
-
-def _tracked_peak(model, opts: list, kept: list[torch.Tensor], autocast, work: Workload, x, y) -> dict:
-    """Peak bytes of one step under torch's MemTracker, and its breakdown at the peak."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, *opts, *kept)
-    with tracker, warnings.catch_warnings():
-        # its post-accumulate-grad hook finds .grad already moved on by shardwise's reduce;
-        # the gradient itself was tracked by its tensor hook, which ran first
-        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
-        train_step(model, opts, autocast, work, x, y)
-    snap = tracker.get_tracker_snapshot("peak")
-    dev = next((d for d in snap if d.type != "meta"), None)
-    if dev is None:
-        return {"Total": 0}
-    return {str(k): int(v) for k, v in snap[dev].items()}
 
 
 # --------------------------------------------------------------------------- summary
@@ -821,18 +666,6 @@ def _loss_check(rows: dict, tol: float) -> dict:
         "worst": where,
         "rank0_loss": ref,
     }
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL"
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Gloo"
 
 
 # --------------------------------------------------------------------------- output
