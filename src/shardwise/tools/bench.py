@@ -659,13 +659,7 @@ def _loss_check(rows: dict, tol: float) -> dict:
                 rel = abs(loss - base) / max(abs(base), 1e-12)
                 if rel > worst:
                     worst, where = rel, f"{name} on rank {rank}: {loss} vs {ref_name}'s {base}"
-    return {
-        "ok": worst <= tol,
-        "tolerance": tol,
-        "worst_rel_diff": worst,
-        "worst": where,
-        "rank0_loss": ref,
-    }
+    return {"ok": worst <= tol, "tolerance": tol, "worst_rel_diff": worst, "worst": where, "rank0_loss": ref}
 
 
 # --------------------------------------------------------------------------- output
@@ -700,24 +694,33 @@ def render_markdown(summary: dict) -> str:
         + "; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",
-        "",
-        f"| system | median ms | p25-p75 ms | visits | {'rows' if c['model'] == 'mlp' else 'tokens'}/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |"
-        + (" optimizer | opt ms | opt x FSDP2 | matrices' max abs diff vs 1 process |" if muon else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|---:|---:|---:|" if muon else ""),
     ]
-    for name, r in summary["systems"].items():
-        lines.append(
-            f"| {name} | {r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | "
-            f"{r['visits_kept']}/{len(r['others_load'])} | {r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**20:.1f} | "
-            f"{r['bytes_per_step'] / 2**20:.2f} | {r['theory_bytes'] / 2**20:.2f} | "
-            f"{_fmt(r['x_floor'], '.2f')} | {_fmt(r['x_fsdp2'], '.2f')} | {_fmt(r['x_ddp'], '.2f')} |"
-            + (
-                f" {'Muon + AdamW' if whole_matrix(name, 'muon') else 'AdamW'} | {r['opt_ms']:.1f} | "
-                f"{_fmt(r['opt_x_fsdp2'], '.2f')} | {_fmt(r['max_diff'], '.1e')} |"
-                if muon
-                else ""
-            )
-        )
+    columns = [  # header, right-aligned, cell of (name, row)
+        ("system", False, lambda n, r: n),
+        ("median ms", True, lambda n, r: f"{r['median_ms']:.1f}"),
+        ("p25-p75 ms", True, lambda n, r: f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}"),
+        ("visits", True, lambda n, r: f"{r['visits_kept']}/{len(r['others_load'])}"),
+        (f"{'rows' if c['model'] == 'mlp' else 'tokens'}/s", True, lambda n, r: f"{r['tokens_per_s']:,.0f}"),
+        ("peak MiB", True, lambda n, r: f"{r['peak_bytes'] / 2**20:.1f}"),
+        ("comm MiB/step", True, lambda n, r: f"{r['bytes_per_step'] / 2**20:.2f}"),
+        ("theory MiB", True, lambda n, r: f"{r['theory_bytes'] / 2**20:.2f}"),
+        ("x floor", True, lambda n, r: _fmt(r["x_floor"], ".2f")),
+        ("x FSDP2", True, lambda n, r: _fmt(r["x_fsdp2"], ".2f")),
+        ("x DDP", True, lambda n, r: _fmt(r["x_ddp"], ".2f")),
+    ]
+    if muon:
+        columns += [
+            ("optimizer", False, lambda n, r: "Muon + AdamW" if whole_matrix(n, "muon") else "AdamW"),
+            ("opt ms", True, lambda n, r: f"{r['opt_ms']:.1f}"),
+            ("opt x FSDP2", True, lambda n, r: _fmt(r["opt_x_fsdp2"], ".2f")),
+            ("matrices' max abs diff vs 1 process", True, lambda n, r: _fmt(r["max_diff"], ".1e")),
+        ]
+    lines += [
+        "",
+        "| " + " | ".join(head for head, _, _ in columns) + " |",
+        "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|",
+        *("| " + " | ".join(cell(n, r) for *_, cell in columns) + " |" for n, r in summary["systems"].items()),
+    ]
     lc = summary["loss_check"]
     load = [f for r in summary["systems"].values() for f in r["others_load"]]
     redone = sum(r["redone_visits"] for r in summary["systems"].values())

@@ -161,49 +161,30 @@ def figures(data: dict, index: int) -> dict:
     )
     formula = accounting.formula(data["strategy"], b_gather == b_reduce) + " + step check"
     # the ranks each kind runs over: gathers, reduce-scatters and clipping's all-reduce in
-    # the shard group (the world, without hybrid sharding)
+    # the shard group (the world, without hybrid sharding); all-reduces move twice
     over = {"all_gather": s, "reduce_scatter": s, "all_reduce": s, "replica_all_reduce": reps, "step_check": n}
-    sent, blocked, comm_time, step_time = [], [], [], []
+    twice = ("all_reduce", "replica_all_reduce", "step_check")
+    sent, blocked, comm_time, step_time, ddp_state = [], [], [], [], 0
     for r in data["ranks"]:
         start, end = r["steps"][index]
         by_kind = dict.fromkeys(theory, 0)
-        wait = 0.0
-        for e in r["events"]:
-            if e[1] == "collective" and start <= e[0] <= end:
-                kind, payload = e[3], e[4]
-                if kind in by_kind:
-                    twice = kind in ("all_reduce", "replica_all_reduce", "step_check")
-                    g = over[kind]
-                    by_kind[kind] += (2 if twice else 1) * payload * (g - 1) // g
-                wait += e[6]
-        spans = [
-            s for s in T.spans(r, units) if s["track"] != "compute" and start <= s["start"] <= end
-        ]
+        collectives = [e for e in r["events"] if e[1] == "collective" and start <= e[0] <= end]
+        for _, _, _, kind, payload, _, _ in collectives:
+            if kind in by_kind:
+                by_kind[kind] += (1 + (kind in twice)) * payload * (over[kind] - 1) // over[kind]
+        comm = [x for x in T.spans(r, units) if x["track"] != "compute" and start <= x["start"] <= end]
         sent.append(by_kind)
-        blocked.append(round(wait, 7))
-        comm_time.append(round(sum(s["end"] - s["start"] for s in spans), 7))
+        blocked.append(round(sum(e[6] for e in collectives), 7))
+        comm_time.append(round(sum(x["end"] - x["start"] for x in comm), 7))
         step_time.append(round(end - start, 7))
-    by_rank: dict[int, list[dict]] = {}
-    for row in T.summary(data):
-        by_rank.setdefault(row["rank"], []).append(row)
-    peaks = {}
-    for rank, rows in by_rank.items():  # the compute device's peak; host memory apart
-        dev = next((d for d in rows if d["device"] != "cpu"), rows[0])
-        host = next((d for d in rows if d is not dev), None)
-        peaks[rank] = {
-            "peak": dev["peak"],
-            "host": host["peak"] if host else 0,
-            "model_state": sum(d["model_state"] for d in rows),
-        }
-    opt_total = 0
-    for r in data["ranks"]:
-        ends = [
-            m for m in r["memory"] if any(e[1] == "step_end" and e[0] == m[0] for e in r["events"])
-        ]
-        if ends:
-            opt_total += max(m[2 + data["categories"].index("optimizer")] for m in ends)
-    master = sum(u["params"] * _itemsize(u["dtype"]) for u in units)
-    ddp_state = 2 * master + opt_total  # whole parameters and gradients, all of the state
+        ends = {e[0] for e in r["events"] if e[1] == "step_end"}
+        opt = [m[2 + data["categories"].index("optimizer")] for m in r["memory"] if m[0] in ends]
+        ddp_state += max(opt, default=0)  # DDP holds all of the optimizer state on every rank,
+    ddp_state += 2 * sum(u["params"] * _itemsize(u["dtype"]) for u in units)  # whole params, grads
+    ranks = [r["rank"] for r in data["ranks"]]
+    summary = T.summary(data)
+    devices = {r: {d["device"]: d for d in summary if d["rank"] == r} for r in ranks}
+    gpu = {r: next((d for k, d in devices[r].items() if k != "cpu"), None) for r in ranks}
     links = None
     if "replica_all_reduce" in theory:
         within = ("all_gather", "reduce_scatter", "all_reduce")
@@ -222,9 +203,9 @@ def figures(data: dict, index: int) -> dict:
         "blocked_s": blocked,
         "comm_s": comm_time,
         "step_s": step_time,
-        "peak": [peaks[r["rank"]]["peak"] for r in data["ranks"]],
-        "host": [peaks[r["rank"]]["host"] for r in data["ranks"]],
-        "model_state": [peaks[r["rank"]]["model_state"] for r in data["ranks"]],
+        "peak": [(gpu[r] or devices[r]["cpu"])["peak"] for r in ranks],  # the compute device's
+        "host": [devices[r]["cpu"]["peak"] if gpu[r] and "cpu" in devices[r] else 0 for r in ranks],
+        "model_state": [sum(d["model_state"] for d in devices[r].values()) for r in ranks],
         "ddp_model_state": ddp_state,
     }
 
