@@ -35,29 +35,23 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     present now (call after backward); optimizer: every tensor in the optimizer's state.
     """
     full = _full_numel(model)
-    params = 0
-    for u in units(model):
-        if isinstance(u, ShardedUnit):
-            params += u.flat_shard.numel() * u.flat_shard.element_size()
-        elif isinstance(u, ReplicatedUnit):
-            params += sum(p.numel() * p.element_size() for p in u.params)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in full if p.grad is not None)
+    shards = [[u.flat_shard] if isinstance(u, ShardedUnit) else u.params for u in units(model)]
+    params = sum(p.nbytes for ps in shards for p in ps)
+    grads = sum(p.grad.nbytes for p in full if p.grad is not None)
     opt_bytes = ddp_opt = 0
     if optimizer is not None:
         for p, st in optimizer.state.items():
             for t in st.values():
                 if isinstance(t, torch.Tensor):
-                    opt_bytes += t.numel() * t.element_size()
+                    opt_bytes += t.nbytes
                     scale = full.get(p, p.numel()) if t.shape == p.shape else t.numel()
                     ddp_opt += scale * t.element_size()
-    return {
-        "params": params,
-        "grads": grads,
-        "optimizer": opt_bytes,
-        "ddp_params": sum(n * p.element_size() for p, n in full.items()),
-        "ddp_grads": sum(n * p.element_size() for p, n in full.items() if p.requires_grad),
-        "ddp_optimizer": ddp_opt,
-    }
+    ddp_params = sum(n * p.element_size() for p, n in full.items())
+    ddp_grads = sum(n * p.element_size() for p, n in full.items() if p.requires_grad)
+    return dict(
+        params=params, grads=grads, optimizer=opt_bytes,
+        ddp_params=ddp_params, ddp_grads=ddp_grads, ddp_optimizer=ddp_opt,
+    )
 
 
 def kept_buckets(model: nn.Module) -> list[torch.Tensor]:
