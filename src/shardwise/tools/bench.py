@@ -421,7 +421,6 @@ def _sync(device: torch.device) -> None:
 def run_rank(cfg: BenchConfig) -> dict:
     """One rank's part: the timed rounds, then one counted visit per system. Returns every
     rank's raw results and the workload's sizes (collective: call on every rank)."""
-
     groups.init()
     torch.set_num_threads(cfg.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -429,9 +428,7 @@ def run_rank(cfg: BenchConfig) -> dict:
     work = workload(cfg, rank, world, device)
     meshes = device_meshes(cfg, device)
     out: dict[str, dict] = {s: {"visits": []} for s in cfg.systems}
-    timed_visit(
-        cfg.systems[0], cfg, work, device, meshes
-    )  # discarded: the process's first steps are slow
+    timed_visit(cfg.systems[0], cfg, work, device, meshes)  # discarded: the process's first steps are slow
     for r in range(cfg.rounds):
         for name in cfg.systems:
             for attempt in range(1 + REDOS):
@@ -443,12 +440,9 @@ def run_rank(cfg: BenchConfig) -> dict:
             visit["attempts"] = attempt + 1
             out[name]["visits"].append(visit)
             if rank == 0:
-                print(
-                    f"round {r + 1}/{cfg.rounds} {name}: {1e3 * statistics.median(visit['times']):.1f} ms "
-                    f"(others {100 * visit['others_load']:.0f}%, try {attempt + 1})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                ms, others = 1e3 * statistics.median(visit["times"]), 100 * visit["others_load"]
+                print(f"round {r + 1}/{cfg.rounds} {name}: {ms:.1f} ms (others {others:.0f}%, try {attempt + 1})",
+                      file=sys.stderr, flush=True)
     for name in cfg.systems:
         out[name].update(counted_visit(name, cfg, work, device, meshes))
         if cfg.optimizer == "muon":
@@ -531,11 +525,7 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
         counted["all_reduce"] = counted.get("all_reduce", 0) + own.get("all_reduce", 0)
         if own.get("replica_all_reduce"):
             counted["replica_all_reduce"] = own["replica_all_reduce"]
-    res = {
-        "bytes": counted,
-        "shardwise_bytes": own,
-        "unknown_collectives": sorted(counter.unknown),
-    }
+    res = {"bytes": counted, "shardwise_bytes": own, "unknown_collectives": sorted(counter.unknown)}
     if device.type == "cpu":
         kept = bench_counts.kept_buckets(model, ddp)
         res["peak_tracker"] = bench_counts.tracked_peak(
@@ -618,12 +608,11 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "unknown_collectives": ranks[0][name]["unknown_collectives"],
         }
     for name, row in rows.items():
-        kind, strategy = name.partition("/")[0], strategy_of(name)
+        ours, fsdp2 = name.startswith("shardwise/"), rows.get(f"fsdp2/{strategy_of(name)}")
         row["x_floor"] = _ratio(row, rows.get("floor"))
-        fsdp2 = rows.get(f"fsdp2/{strategy}")
-        row["x_fsdp2"] = _ratio(row, fsdp2) if kind == "shardwise" else None
-        row["opt_x_fsdp2"] = row["opt_ms"] / fsdp2["opt_ms"] if kind == "shardwise" and fsdp2 else None
-        row["x_ddp"] = _ratio(row, rows.get("ddp")) if kind == "shardwise" else None
+        row["x_fsdp2"] = _ratio(row, fsdp2) if ours else None
+        row["opt_x_fsdp2"] = _ratio(row, fsdp2, "opt_ms") if ours else None
+        row["x_ddp"] = _ratio(row, rows.get("ddp")) if ours else None
     return {
         "config": asdict(cfg),
         "world_size": world,
@@ -643,8 +632,8 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
     }
 
 
-def _ratio(row: dict, base: dict | None) -> float | None:
-    return row["median_ms"] / base["median_ms"] if base else None
+def _ratio(row: dict, base: dict | None, key: str = "median_ms") -> float | None:
+    return row[key] / base[key] if base else None
 
 
 def _loss_check(rows: dict, tol: float) -> dict:

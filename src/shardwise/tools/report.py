@@ -46,33 +46,23 @@ def build(data: dict, step: int = -1) -> dict:
     view_ranks, merged = [], []
     for r in ranks:
         start, end = r["steps"][index]
-        events = [e for e in r["events"] if start <= e[0] <= end]
         spans = [s for s in T.spans(r, units) if s["start"] < end and s["end"] > start]
         for s in spans:
             s["start"], s["end"] = _rel(max(s["start"], start), t0), _rel(min(s["end"], end), t0)
         _depths(spans)
-        lanes = {
-            track: T.lanes([s for s in spans if s["track"] == track])
-            for track in ("gather", "reduce", "replica")
-        }
-        memory = [
-            [_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"
+        view_ranks.append({
+            "rank": r["rank"],
+            "spans": spans,
+            "lanes": {t: T.lanes([s for s in spans if s["track"] == t]) for t in ("gather", "reduce", "replica")},
+            "memory": [[_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"],
+            "initial": _states_before(r["events"], start, units),
+            "start": _rel(start, t0),
+            "end": _rel(end, t0),
+        })
+        merged += [
+            [_rel(e[0], t0), r["rank"], e[1], e[2], *e[3:4]]
+            for e in r["events"] if start <= e[0] <= end and e[1] in MECHANISM_EVENTS
         ]
-        initial = _states_before(r["events"], start, units)
-        view_ranks.append(
-            {
-                "rank": r["rank"],
-                "spans": spans,
-                "lanes": lanes,
-                "memory": memory,
-                "initial": initial,
-                "start": _rel(start, t0),
-                "end": _rel(end, t0),
-            }
-        )
-        for e in events:
-            if e[1] in MECHANISM_EVENTS:
-                merged.append([_rel(e[0], t0), r["rank"], e[1], e[2], *e[3:4]])
     merged.sort(key=lambda e: (e[0], e[1]))
     return {
         "title": _title(data),
@@ -93,16 +83,8 @@ def build(data: dict, step: int = -1) -> dict:
 
 # the events that change what the mechanism view shows
 MECHANISM_EVENTS = (
-    "forward",
-    "backward",
-    "optimizer",
-    "gather_issue",
-    "gather_done",
-    "reshard",
-    "reduce_issue",
-    "reduce_done",
-    "reduce_complete",
-    "step_end",
+    "forward", "backward", "optimizer", "gather_issue", "gather_done", "reshard", "reduce_issue", "reduce_done",
+    "reduce_complete", "step_end",
 )
 
 
@@ -130,13 +112,11 @@ def _states_before(events: list[list], t: float, units: list[dict]) -> list[str]
             break
         if e[2] < 0 or units[e[2]]["kind"] == "replicated":
             continue
-        if e[1] == "gather_issue":
-            states[e[2]] = "gathering"
-        elif e[1] == "gather_done":
-            states[e[2]] = "gathered"
-        elif e[1] == "reshard":
-            states[e[2]] = "sharded"
+        states[e[2]] = _STATE_AFTER.get(e[1], states[e[2]])
     return states
+
+
+_STATE_AFTER = {"gather_issue": "gathering", "gather_done": "gathered", "reshard": "sharded"}
 
 
 def _mesh(data: dict) -> dict:

@@ -468,13 +468,9 @@ def load(path: str | Path) -> dict:
     """Read a compact trace, checking that it is one."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a shardwise trace (write one with shardwise.trace(...).save())"
-        )
+        raise ValueError(f"{path} is not a shardwise trace (write one with shardwise.trace(...).save())")
     if data.get("version") != VERSION:
-        raise ValueError(
-            f"{path} is a version {data.get('version')} trace; this shardwise reads {VERSION}"
-        )
+        raise ValueError(f"{path} is a version {data.get('version')} trace; this shardwise reads {VERSION}")
     return data
 
 
@@ -510,16 +506,13 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
         elif kind in ("gather_complete", "reduce_complete"):
             _close(issued, (kind.split("_")[0], unit), t)
         elif kind == "collective" and ev[3] == "replica_all_reduce":
-            s = _span("replica", "all_reduce", name(unit), ev[5], t)
-            s.update(bytes=ev[4], wait=ev[6])
-            out.append(s)
+            out.append(_span("replica", "all_reduce", name(unit), ev[5], t, bytes=ev[4], wait=ev[6]))
         elif kind == "collective" and ev[3] in _STREAM:
             _close(issued, (_STREAM[ev[3]], unit), t, wait=ev[6])
     for (stream, unit), items in issued.items():
         for t0, t1, nbytes, wait in items:
-            s = _span(stream, stream, name(unit), t0, t1 if t1 is not None else end)
-            s.update(bytes=nbytes, wait=wait or 0.0)
-            out.append(s)
+            t1 = t1 if t1 is not None else end
+            out.append(_span(stream, stream, name(unit), t0, t1, bytes=nbytes, wait=wait or 0.0))
     for (k, u), t0 in open_compute.items():
         out.append(_span("compute", k, name(u), t0, end))
     out.sort(key=lambda s: (s["start"], -s["end"]))
@@ -530,8 +523,8 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
 _STREAM = {"all_gather": "gather", "reduce_scatter": "reduce", "all_reduce": "reduce"}
 
 
-def _span(track: str, kind: str, unit: str, start: float, end: float) -> dict:
-    return {"track": track, "kind": kind, "unit": unit, "start": start, "end": max(start, end)}
+def _span(track: str, kind: str, unit: str, start: float, end: float, **extra) -> dict:
+    return {"track": track, "kind": kind, "unit": unit, "start": start, "end": max(start, end), **extra}
 
 
 def _close(issued: dict, key: tuple[str, int], t: float, wait: float | None = None) -> None:
