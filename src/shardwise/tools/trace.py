@@ -12,20 +12,21 @@ pass, gathers, reshards, reductions) plus the optimizer's step. A communication 
 its issue to the moment the tracer first saw it complete: at the next life-cycle event, or at
 the wait, whichever came first (an upper bound of the transfer's end).
 
-Memory by category is sampled at every event, and the highest total between two samples is
-kept too. Note [memory categories]: parameter shards, gathered parameters, gradients and
-optimizer state are read from the tensors themselves (storage sizes of each unit's buffers, of
-every ``.grad`` and of the optimizer's state); activations are everything else that the traced
-code allocated and still holds. On CPU, torch's profiler runs with memory profiling and no
-activity (``_Allocations``): the CPU allocator reports every allocation and free from C++, so
-no Python runs per operator; when the trace ends, that log is replayed to give the bytes alive
-at each sample and the highest total between samples, and activations are those bytes minus
-the category storages that the trace allocated (told apart by address). On CUDA: the caching
-allocator's ``memory_allocated`` minus the categories, and its peak counter between samples,
-which the tracer resets. Under the planner (a fake world, fake tensors): the same replay of a
-log that a dispatch mode keeps (``_FakeAllocations``). It includes autograd's saved tensors
-and short-lived temporaries such as activation gradients. Tensors allocated before the trace
-began count only where they belong to a category (e.g. shards, existing optimizer state).
+Memory by category is sampled at every event, and the highest total between two samples is kept
+too. Note [memory categories]: parameter shards, gathered parameters, gradients and optimizer
+state are read from the tensors themselves (storage sizes of each unit's buffers, of every
+``.grad`` and of the optimizer's state); activations are everything else that the traced code
+allocated and still holds. On CPU, torch's profiler runs with memory profiling and no activity
+(``allocations._Allocations``): the CPU allocator reports every allocation and free from C++,
+so no Python runs per operator; when the trace ends, that log is replayed to give the bytes
+alive at each sample and the highest total between samples, and activations are those bytes
+minus the category storages that the trace allocated (told apart by address). On CUDA: the
+caching allocator's ``memory_allocated`` minus the categories, and its peak counter between
+samples, which the tracer resets. Under the planner (a fake world, fake tensors): the same
+replay of a log that a dispatch mode keeps (``allocations._FakeAllocations``). It includes
+autograd's saved tensors and short-lived temporaries such as activation gradients. Tensors
+allocated before the trace began count only where they belong to a category (e.g. shards,
+existing optimizer state).
 
 Clocks: every rank passes a barrier on entry and counts time from there, so ranks line up to
 within the barrier's skew.
@@ -329,7 +330,7 @@ class Trace:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
                 self._flight[id(p)] = (name.split("_")[0], unit, p)
-                if self._log is not None:  # (see _Allocations.watch_buffers)
+                if self._log is not None:  # (see allocations._Allocations.watch_buffers)
                     self._log.watch_buffers(_in_flight(p))
         self._poll(rel)
         self._sample(t)
