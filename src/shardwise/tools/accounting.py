@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..api import units
+from ..collectives import step_check_nbytes
 from ..policies import Sharding
 from ..quantize import Codec
 from ..runtime import runtime_of
@@ -34,29 +35,23 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     present now (call after backward); optimizer: every tensor in the optimizer's state.
     """
     full = _full_numel(model)
-    params = 0
-    for u in units(model):
-        if isinstance(u, ShardedUnit):
-            params += u.flat_shard.numel() * u.flat_shard.element_size()
-        elif isinstance(u, ReplicatedUnit):
-            params += sum(p.numel() * p.element_size() for p in u.params)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in full if p.grad is not None)
+    shards = [[u.flat_shard] if isinstance(u, ShardedUnit) else u.params for u in units(model)]
+    params = sum(p.nbytes for ps in shards for p in ps)
+    grads = sum(p.grad.nbytes for p in full if p.grad is not None)
     opt_bytes = ddp_opt = 0
     if optimizer is not None:
         for p, st in optimizer.state.items():
             for t in st.values():
                 if isinstance(t, torch.Tensor):
-                    opt_bytes += t.numel() * t.element_size()
+                    opt_bytes += t.nbytes
                     scale = full.get(p, p.numel()) if t.shape == p.shape else t.numel()
                     ddp_opt += scale * t.element_size()
-    return {
-        "params": params,
-        "grads": grads,
-        "optimizer": opt_bytes,
-        "ddp_params": sum(n * p.element_size() for p, n in full.items()),
-        "ddp_grads": sum(n * p.element_size() for p, n in full.items() if p.requires_grad),
-        "ddp_optimizer": ddp_opt,
-    }
+    ddp_params = sum(n * p.element_size() for p, n in full.items())
+    ddp_grads = sum(n * p.element_size() for p, n in full.items() if p.requires_grad)
+    return dict(
+        params=params, grads=grads, optimizer=opt_bytes,
+        ddp_params=ddp_params, ddp_grads=ddp_grads, ddp_optimizer=ddp_opt,
+    )
 
 
 def kept_buckets(model: nn.Module) -> list[torch.Tensor]:
@@ -72,66 +67,90 @@ def _wire(fmt: str | None, itemsize: int, psi: int) -> float:
     return itemsize if fmt is None else round(Codec(fmt).nbytes(psi) / max(psi, 1), 4)
 
 
-def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
-    """Bytes per rank per step that the strategy moves in theory, for psi parameters on N ranks
-    with b bytes per element sent: full shard 3 psi b (N-1)/N (two gathers, one
-    reduce-scatter), shard_grad_op and DDP 2 psi b (N-1)/N. With mixed precision the gathers
-    send b_gather and the reduction b_reduce bytes per element. Hybrid sharding on R replicas
-    of S ranks: the same within the shard group, with S for N (``within``), and each rank's
-    reduced shard all-reduced across the replicas, 2 psi b (R-1)/(R S) (``across``). With
-    ``comm`` the encoded collectives' b is the codec's bytes per element, scales included."""
-    full = _full_numel(model)
-    psi = sum(full.values())
-    us = units(model)
-    mesh = runtime_of(model).mesh
-    n = dist.get_world_size(us[0].group)
-    r = dist.get_world_size(mesh.replicate) if mesh.replicate is not None else 1
-    comm = runtime_of(model).comm
-    b_gather = _wire(comm.gather, us[0].compute_dtype.itemsize, psi)
-    b_reduce = _wire(comm.reduce, us[0].reduce_dtype.itemsize, psi)
-    b_replica = _wire(comm.replica, us[0].reduce_dtype.itemsize, psi)
+def theory(
+    strategy: str, psi: int, *, world: int, replicas: int = 1, b_gather: float, b_reduce: float,
+    b_across: float | None = None, root: int = 0, trained: int | None = None,
+) -> dict[str, float]:
+    """Bytes per rank per step by collective kind in theory, for psi parameters on ``world``
+    = R x S ranks (R ``replicas`` of shard groups of S with hybrid sharding, else S = N) and
+    ring collectives sending b bytes per element: full shard gathers every unit twice, less
+    the ``root`` unit's parameters' backward gather (it stays gathered from forward to
+    backward), and reduce-scatters once, 3 psi b (S-1)/S; shard_grad_op gathers once; no_shard
+    (DDP) all-reduces, 2 psi b (N-1)/N. Hybrid sharding all-reduces each rank's reduced shard
+    across the replicas, 2 psi b_across (R-1)/(R S). With ``trained`` (parameters that train),
+    the step check: one all-reduce over all N of a flag per trained parameter and two numbers."""
     sharding = Sharding.of(strategy)
-    gathers = 2 if sharding.reshard_after_forward else 1 if sharding.shard else 0
-    g = "S" if sharding.hybrid else "N"
-    if not sharding.shard:
-        total, formula = 2 * psi * b_reduce * (n - 1) // n, "2*psi*b*(N-1)/N"
-        b = b_reduce
-    elif b_gather == b_reduce:
-        b = b_gather
-        total = (gathers + 1) * psi * b * (n - 1) // n
-        formula = f"{gathers + 1}*psi*b*({g}-1)/{g}"
+    r = replicas if sharding.hybrid else 1
+    s = world // r
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    if sharding.shard:
+        gathered = 2 * psi - root if sharding.reshard_after_forward else psi
+        out["all_gather"] = gathered * b_gather * (s - 1) // s
+        out["reduce_scatter"] = psi * b_reduce * (s - 1) // s
     else:
-        b = f"{b_gather} (gather), {b_reduce} (reduce)"
-        total = (gathers * b_gather + b_reduce) * psi * (n - 1) // n
-        formula = f"({gathers}*b_gather + b_reduce)*psi*({g}-1)/{g}"
-    across = 0
+        out["all_reduce"] = 2 * psi * b_reduce * (world - 1) // world
     if sharding.hybrid:
-        across = int(2 * psi * b_replica * (r - 1) // (r * n))
-        formula += " + 2*psi*b_reduce*(R-1)/(R*S)" if b_gather != b_reduce else " + 2*psi*b*(R-1)/(R*S)"
-    kept = (
-        "measured is lower by the root unit's backward gather (it stays gathered from forward "
-        "to backward) and higher by padding rows"
+        out["replica_all_reduce"] = 2 * psi * (b_across or b_reduce) * (r - 1) // (r * s)
+    if trained is not None:
+        out["step_check"] = 2 * step_check_nbytes(trained) * (world - 1) // world
+    return out
+
+
+def formula(strategy: str, same_b: bool = True) -> str:
+    """``theory``'s formula, with one b, or b_gather and b_reduce."""
+    sharding = Sharding.of(strategy)
+    if not sharding.shard:
+        return "2*psi*b*(N-1)/N"
+    g = "S" if sharding.hybrid else "N"
+    gathers = 2 if sharding.reshard_after_forward else 1
+    out = f"{gathers + 1}*psi*b" if same_b else f"({gathers}*b_gather + b_reduce)*psi"
+    out += f"*({g}-1)/{g}"
+    if sharding.hybrid:
+        out += f" + 2*psi*{'b' if same_b else 'b_reduce'}*(R-1)/(R*S)"
+    return out
+
+
+_NOTES = {
+    "full_shard": "measured is lower by the root unit's backward gather (it stays gathered from "
+    "forward to backward) and higher by padding rows",
+    "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
+    "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
+    "hybrid_shard_grad_op": "one gather in forward and one reduce-scatter in the shard group, "
+    "then the replica all-reduce of each rank's reduced shard; padding rows add a little",
+}
+_NOTES["hybrid_shard"] = _NOTES["full_shard"] + (
+    "; the replica all-reduce moves each rank's reduced shard across the replicas"
+)
+
+
+def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
+    """``theory`` for a sharded model (its world, mesh and wire precision), without the step
+    check, split by link: ``within`` the shard group, ``across`` the replicas. With ``comm``
+    the encoded collectives' b is the codec's bytes per element, scales included."""
+    psi = sum(_full_numel(model).values())
+    u, runtime = units(model)[0], runtime_of(model)
+    s = dist.get_world_size(u.group)
+    r = dist.get_world_size(runtime.mesh.replicate) if runtime.mesh.replicate is not None else 1
+    comm = runtime.comm
+    b_gather = _wire(comm.gather, u.compute_dtype.itemsize, psi)
+    b_reduce = _wire(comm.reduce, u.reduce_dtype.itemsize, psi)
+    b_across = _wire(comm.replica, u.reduce_dtype.itemsize, psi)
+    kinds = theory(
+        strategy, psi, world=r * s, replicas=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across
     )
-    notes = {
-        "full_shard": kept,
-        "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
-        "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
-        "hybrid_shard": kept + "; the replica all-reduce moves each rank's reduced shard across "
-        "the replicas",
-        "hybrid_shard_grad_op": "one gather in forward and one reduce-scatter in the shard group, "
-        "then the replica all-reduce of each rank's reduced shard; padding rows add a little",
-    }
-    total = int(total)
+    across = int(kinds.pop("replica_all_reduce", 0))
+    within = int(sum(kinds.values()))
+    same = b_gather == b_reduce or not Sharding.of(strategy).shard
     return {
-        "formula": formula,
-        "bytes": total + across,
-        "within": total,
+        "formula": formula(strategy, same),
+        "bytes": within + across,
+        "within": within,
         "across": across,
         "replicas": r,
-        "shard": n,
+        "shard": s,
         "psi": psi,
-        "b": b,
-        "note": notes[strategy],
+        "b": b_reduce if same else f"{b_gather} (gather), {b_reduce} (reduce)",
+        "note": _NOTES[strategy],
     }
 
 

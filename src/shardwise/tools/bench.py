@@ -27,31 +27,28 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
-import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import groups
-from ..collectives import step_check_nbytes
 from ..policies import Comm
 from ..quantize import FORMATS as WIRE_FORMATS
 from ..quantize import Codec
-from . import charts
+from . import bench_counts, charts, machine
+from .accounting import theory
 from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
@@ -71,8 +68,6 @@ HYBRID_SYSTEMS = (
     "fsdp2/hybrid_shard_grad_op",
     "shardwise/hybrid_shard_grad_op",
 )
-# shardwise with its blocks' matrices owned whole (placement=shardwise.placement.matrices)
-OWNED_SYSTEMS = ("shardwise/full_shard+owned", "shardwise/hybrid_shard+owned")
 # --optimizer muon: Muon on the blocks' matrices (owned; FSDP2's DTensors), and rows + AdamW
 MUON_SYSTEMS = ("fsdp2/full_shard", "shardwise/full_shard+owned", "shardwise/full_shard")
 KNOWN = SYSTEMS + HYBRID_SYSTEMS
@@ -106,7 +101,6 @@ def systems_for(strategy: str) -> tuple[str, ...]:
 MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
 MLP_DIMS = [1024] * 9  # 8 Linear(1024, 1024) layers: 8.4M parameters
 REDOS = 3  # times a visit is run again when other processes took more than --quiet of the CPU
-QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
 
 
 @dataclass(frozen=True)
@@ -182,75 +176,45 @@ def _comm_of(system: str, cfg: BenchConfig) -> Comm | str | None:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--model", choices=MODELS, default=d.model, help="GPT size, mlp, or mha (MHAGPT small)"
-    )
-    p.add_argument(
-        "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank"
-    )
+    p.add_argument("--model", choices=MODELS, default=d.model, help="GPT size, mlp, or mha (MHAGPT small)")
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences or rows per rank")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (GPT)")
-    p.add_argument(
-        "--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary (at least 256)"
-    )
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary (at least 256)")
     p.add_argument("--rounds", type=int, default=d.rounds, help="visits of each system")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per visit")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per visit")
-    p.add_argument(
-        "--systems",
-        help="comma-separated subset of: " + ", ".join(KNOWN) + " (default: " + ", ".join(SYSTEMS) + ")",
-    )
-    p.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        help="compare under one strategy: the floor, DDP, FSDP2 and shardwise (instead of --systems)",
-    )
-    p.add_argument(
-        "--shard-size",
-        type=int,
-        default=d.shard_size,
-        help="hybrid strategies: ranks per shard group (default: the ranks of one node)",
-    )
+    p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(KNOWN)} (default: {', '.join(SYSTEMS)})")
+    p.add_argument("--strategy", choices=STRATEGIES,
+                   help="compare under one strategy: the floor, DDP, FSDP2 and shardwise (instead of --systems)")
+    p.add_argument("--shard-size", type=int, default=d.shard_size,
+                   help="hybrid strategies: ranks per shard group (default: the ranks of one node)")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default=d.mixed_precision)
     p.add_argument("--comm", choices=("exact", *WIRE_FORMATS), default=d.comm,
                    help='precision on the wire of shardwise systems (a system may say its own: "+int8")')
     p.add_argument("--nodes", type=int, choices=(1, 2), default=d.nodes,
                    help="2: two nodes of --nproc ranks, network namespaces joined by a shaped veth link (root)")
     p.add_argument("--link", default=d.link, help="--nodes 2: the link's rate each way (tc units)")
-    p.add_argument(
-        "--compile", action="store_true", help="torch.compile each block of every system alike"
-    )
-    p.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default=d.optimizer,
-        help="muon: Muon on the blocks' matrices, AdamW on the rest (shardwise owned, FSDP2), "
-        "against shardwise rows + AdamW (the default systems then)",
-    )
+    p.add_argument("--compile", action="store_true", help="torch.compile each block of every system alike")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+                   help="muon: Muon on the blocks' matrices, AdamW on the rest (shardwise owned, FSDP2), "
+                   "against shardwise rows + AdamW (the default systems then)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
     p.add_argument("--out", default=d.out, help="output directory")
-    p.add_argument(
-        "--quiet",
-        type=float,
-        default=d.quiet,
-        help=f"redo a visit (up to {REDOS} times) when other processes took more than this share "
-        "of the machine's CPU during it, and wait for such a quiet machine before each (1: never)",
-    )
+    p.add_argument("--quiet", type=float, default=d.quiet,
+                   help=f"redo a visit (up to {REDOS} times) when other processes took more than this share "
+                   "of the machine's CPU during it, and wait for such a quiet machine before each (1: never)")
     a = vars(p.parse_args(argv))
-    strategy = a.pop("strategy")
-    if strategy is not None and a["systems"] is not None:
+    strategy, systems = a.pop("strategy"), a.pop("systems")
+    if strategy is not None and systems is not None:
         p.error("pass --strategy or --systems, not both")
     if strategy is not None:
         a["systems"] = systems_for(strategy)
-    elif a["systems"] is not None:
-        a["systems"] = tuple(s.strip() for s in a["systems"].split(",") if s.strip())
+    elif systems is not None:
+        a["systems"] = tuple(s.strip() for s in systems.split(",") if s.strip())
     else:
-        a["systems"] = (
-            TWO_NODE_SYSTEMS if a["nodes"] == 2 else MUON_SYSTEMS if a["optimizer"] == "muon" else d.systems
-        )
+        a["systems"] = TWO_NODE_SYSTEMS if a["nodes"] == 2 else MUON_SYSTEMS if a["optimizer"] == "muon" else SYSTEMS
     return BenchConfig(**a)
 
 
@@ -293,12 +257,10 @@ def _across_a_link(cfg: BenchConfig, argv: list[str]) -> None:
 def _without_nproc(argv: list[str]) -> list[str]:
     """``argv`` less ``--nproc``: torchrun's parser takes it for its own ``--nproc_per_node``
     even after the module's name (and a rank under torchrun ignores it anyway)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg == "--nproc":
+            next(args, None)
         elif not arg.startswith("--nproc="):
             out.append(arg)
     return out
@@ -324,46 +286,39 @@ def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> W
     from ..data import get_batch, rank_slice
     from ..models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 
-    n = cfg.warmup + cfg.steps
+    rows = cfg.batch_size * world  # one global batch per step, split among the ranks
+    mha = cfg.model == "mha"
     if cfg.model == "mlp":
+        block, tokens = Layer, rows
 
         def build() -> nn.Module:
             return MLPStack(MLP_DIMS)
 
-        batches = []
-        for step in range(n):
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-            x = torch.randn(cfg.batch_size * world, MLP_DIMS[0], generator=g)
-            y = torch.randn(cfg.batch_size * world, MLP_DIMS[-1], generator=g)
-            batches.append(
-                (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
-            )
-        block, tokens = Layer, cfg.batch_size * world
+            return torch.randn(rows, MLP_DIMS[0], generator=g), torch.randn(rows, MLP_DIMS[-1], generator=g)
 
         def loss(model, x, y):
             return F.mse_loss(model(x), y)
     else:
-        mha = cfg.model == "mha"
-        mcfg = gpt_config(
-            "small" if mha else cfg.model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size
-        )
+        mcfg = gpt_config("small" if mha else cfg.model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
+        block, tokens = (MHABlock if mha else Block), rows * cfg.seq_len
 
         def build() -> nn.Module:
             return MHAGPT(mcfg) if mha else GPT(mcfg)
 
-        batches = []
-        for step in range(n):
-            x, y = get_batch(step, cfg.batch_size * world, cfg.seq_len, seed=cfg.seed)
-            batches.append(
-                (rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device))
-            )
-        block, tokens = (MHABlock if mha else Block), cfg.batch_size * world * cfg.seq_len
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return get_batch(step, rows, cfg.seq_len, seed=cfg.seed)
 
         def loss(model, x, y):
             if mha:  # the loss outside the model, as most training loops have it
                 return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             return model(x, y)
 
+    batches = [
+        tuple(rank_slice(t, rank, world).to(device) for t in batch(step))
+        for step in range(cfg.warmup + cfg.steps)
+    ]
     torch.manual_seed(cfg.seed)
     probe = build()
     total = sum(p.numel() for p in probe.parameters())
@@ -415,19 +370,11 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
     elif kind == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if bf16
-            else MixedPrecisionPolicy()
-        )
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+        reshard = strategy in ("full_shard", "hybrid_shard")
         for m in model.modules():
             if isinstance(m, work.block):
-                fully_shard(
-                    m,
-                    mesh=mesh,
-                    reshard_after_forward=strategy in ("full_shard", "hybrid_shard"),
-                    mp_policy=mp,
-                )
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         # the root keeps its default: not resharded after forward, as shardwise's root unit
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif kind == "ddp":
@@ -474,7 +421,6 @@ def _sync(device: torch.device) -> None:
 def run_rank(cfg: BenchConfig) -> dict:
     """One rank's part: the timed rounds, then one counted visit per system. Returns every
     rank's raw results and the workload's sizes (collective: call on every rank)."""
-
     groups.init()
     torch.set_num_threads(cfg.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -482,26 +428,21 @@ def run_rank(cfg: BenchConfig) -> dict:
     work = workload(cfg, rank, world, device)
     meshes = device_meshes(cfg, device)
     out: dict[str, dict] = {s: {"visits": []} for s in cfg.systems}
-    timed_visit(
-        cfg.systems[0], cfg, work, device, meshes
-    )  # discarded: the process's first steps are slow
+    timed_visit(cfg.systems[0], cfg, work, device, meshes)  # discarded: the process's first steps are slow
     for r in range(cfg.rounds):
         for name in cfg.systems:
             for attempt in range(1 + REDOS):
-                quiet = _wait_until_quiet(cfg.quiet)
+                quiet = machine.wait_until_quiet(cfg.quiet)
                 visit = timed_visit(name, cfg, work, device, meshes)
-                visit["others_load"] = _others_load(visit)
+                visit["others_load"] = machine.others_load(visit)
                 if visit["others_load"] <= cfg.quiet or not quiet or attempt == REDOS:
                     break  # (a machine that never fell quiet gets no redo: it would not help)
             visit["attempts"] = attempt + 1
             out[name]["visits"].append(visit)
             if rank == 0:
-                print(
-                    f"round {r + 1}/{cfg.rounds} {name}: {1e3 * statistics.median(visit['times']):.1f} ms "
-                    f"(others {100 * visit['others_load']:.0f}%, try {attempt + 1})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                ms, others = 1e3 * statistics.median(visit["times"]), 100 * visit["others_load"]
+                print(f"round {r + 1}/{cfg.rounds} {name}: {ms:.1f} ms (others {others:.0f}%, try {attempt + 1})",
+                      file=sys.stderr, flush=True)
     for name in cfg.systems:
         out[name].update(counted_visit(name, cfg, work, device, meshes))
         if cfg.optimizer == "muon":
@@ -520,7 +461,7 @@ def run_rank(cfg: BenchConfig) -> dict:
         "trained_tensors": work.trained_tensors,
         "tokens_per_step": work.tokens_per_step,
         "device": device.type,
-        "machine": _machine(device.type),
+        "machine": machine.describe(device.type),
     }
 
 
@@ -538,7 +479,7 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
         if i == cfg.warmup:
             reset_comm_stats()
         dist.barrier()
-        busy0, cpu0 = _machine_busy_s(), time.process_time()
+        busy0, cpu0 = machine.busy_s(), time.process_time()
         t0 = time.perf_counter()
         loss, opt_s = train_step(model, opts, autocast, work, x, y)
         _sync(device)
@@ -549,126 +490,12 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
             visit["times"].append(dt)
             visit["opt_times"].append(opt_s)
             visit["own_cpu"].append(time.process_time() - cpu0)
-            visit["busy"].append(_machine_busy_s() - busy0)
+            visit["busy"].append(machine.busy_s() - busy0)
     visit["wait_s"] = sum(s.wait_seconds for s in comm_stats(reset=True).values())
     visit["peak_cuda"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     del model, opts, autocast, loss
     gc.collect()  # the system's reference cycles too: the next visit starts clean
     return visit
-
-
-def _others_load(visit: dict) -> float:
-    """The median share of the machine's CPU that other processes took during the visit's
-    timed steps: busy time (rank 0's machine) less what this machine's ranks used (collective;
-    the same answer on every rank)."""
-    from ..groups import device
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    own, times, busy = (
-        torch.tensor(visit[k], dtype=torch.float64, device=device())
-        for k in ("own_cpu", "times", "busy")
-    )
-    own *= dist.get_rank() < local
-    dist.all_reduce(own)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.broadcast(busy, 0)
-    return float(((busy - own) / (times * (os.cpu_count() or 1))).clamp(0, 1).median())
-
-
-def _wait_until_quiet(quiet: float) -> bool:
-    """Hold every rank until other processes leave the machine nearly idle (at most
-    ``quiet`` of its CPU over half a second), for at most ``QUIET_PATIENCE_S``; whether it
-    was (collective: the same answer on every rank)."""
-    from ..groups import device
-
-    found = torch.ones(1, device=device())
-    if quiet < 1 and dist.get_rank() == 0:
-        deadline = time.monotonic() + QUIET_PATIENCE_S
-        found.zero_()
-        while not found and time.monotonic() < deadline:
-            b0 = _machine_busy_s()
-            time.sleep(0.5)
-            found.fill_(float((_machine_busy_s() - b0) / (0.5 * (os.cpu_count() or 1)) <= quiet))
-    dist.broadcast(found, 0)
-    return bool(found)
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy since boot (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class CommCounter(TorchDispatchMode):
-    """Counts the bytes of every ``c10d`` collective dispatched while active, per kind.
-
-    Bytes are what a ring moves per rank, as ``shardwise.comm_stats`` books them: (N-1)/N of the
-    full tensor for all-gather and reduce-scatter (and of the tensor of a broadcast or reduce),
-    twice that for all-reduce; N is the size of the collective's group (the default group's,
-    ``world``, where the op does not say).
-    """
-
-    # op name -> (kind, which argument holds the full tensor(s))
-    OPS: ClassVar[dict[str, tuple[str, int]]] = {
-        "allreduce_": ("all_reduce", 0),
-        "allreduce_coalesced_": ("all_reduce", 0),
-        "_allgather_base_": ("all_gather", 0),
-        "allgather_": ("all_gather", 0),
-        "allgather_into_tensor_coalesced_": ("all_gather", 0),
-        "_reduce_scatter_base_": ("reduce_scatter", 1),
-        "reduce_scatter_": ("reduce_scatter", 1),
-        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-        "broadcast_": ("broadcast", 0),
-        "reduce_": ("reduce", 0),
-    }
-
-    def __init__(self, world: int):
-        super().__init__()
-        self.world = world
-        self.bytes: dict[str, int] = {}
-        self.unknown: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func._schema.name.split("::")[-1]
-            if name == "send":  # point to point: the message's own bytes
-                self.bytes["send"] = self.bytes.get("send", 0) + sum(_nbytes(t) for t in args[0])
-            elif name in self.OPS:
-                kind, i = self.OPS[name]
-                full = sum(_nbytes(t) for t in _flat_tensors(args[i]))
-                factor = 2 if kind == "all_reduce" else 1
-                n = _group_size(args, self.world)
-                moved = factor * full * (n - 1) // n
-                self.bytes[kind] = self.bytes.get(kind, 0) + moved
-            elif name not in ("barrier", "monitored_barrier_", "recv_"):
-                self.unknown.add(name)
-        return func(*args, **(kwargs or {}))
-
-
-def _group_size(args, default: int) -> int:
-    """The size of the process group among a c10d op's arguments (boxed as a ScriptObject)."""
-    for a in args:
-        if isinstance(a, torch.ScriptObject):
-            with contextlib.suppress(Exception):
-                return dist.ProcessGroup.unbox(a).size()
-    return default
-
-
-def _flat_tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _flat_tensors(o)]
-    return []
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes) -> dict:
@@ -677,12 +504,12 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     from ..collectives import comm_stats, reset_comm_stats
 
     model, opts, autocast = build_system(name, cfg, work, device, meshes)
-    ddp = _ddp_buckets(model) if device.type == "cpu" else None
+    ddp = bench_counts.ddp_buckets(model) if device.type == "cpu" else None
     for x, y in work.batches[: cfg.warmup]:
         train_step(model, opts, autocast, work, x, y)
     x, y = work.batches[-1]
     reset_comm_stats()
-    counter = CommCounter(dist.get_world_size())
+    counter = bench_counts.CommCounter(dist.get_world_size())
     if ddp is not None:
         ddp.clear()  # the buckets as this step uses them (DDP rebuilds them after its first)
     with counter:
@@ -698,114 +525,43 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
         counted["all_reduce"] = counted.get("all_reduce", 0) + own.get("all_reduce", 0)
         if own.get("replica_all_reduce"):
             counted["replica_all_reduce"] = own["replica_all_reduce"]
-    res = {
-        "bytes": counted,
-        "shardwise_bytes": own,
-        "unknown_collectives": sorted(counter.unknown),
-    }
+    res = {"bytes": counted, "shardwise_bytes": own, "unknown_collectives": sorted(counter.unknown)}
     if device.type == "cpu":
-        res["peak_tracker"] = _tracked_peak(
-            model, opts, _kept_buckets(model, ddp), autocast, work, x, y
+        kept = bench_counts.kept_buckets(model, ddp)
+        res["peak_tracker"] = bench_counts.tracked_peak(
+            model, opts, kept, partial(train_step, model, opts, autocast, work, x, y)
         )
     del model, opts, autocast, ddp
     gc.collect()
     return res
 
 
-def _ddp_buckets(model: nn.Module) -> dict[int, torch.Tensor] | None:
-    """DDP's gradient buckets, filled in as its backward hands them to a comm hook that keeps
-    them and all-reduces as DDP's own does (None for the other systems)."""
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
-        return None
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    buckets: dict[int, torch.Tensor] = {}
-
-    def keep_and_allreduce(group, bucket):
-        buckets[bucket.index()] = bucket.buffer()
-        return allreduce_hook(group, bucket)
-
-    model.register_comm_hook(None, keep_and_allreduce)
-    return buckets
-
-
-def _kept_buckets(model: nn.Module, ddp: dict[int, torch.Tensor] | None) -> list[torch.Tensor]:
-    """The gradient buckets a system keeps from step to step besides its parameters, gradients
-    and optimizer state: DDP's and shardwise no_shard's. MemTracker counts a tensor made before
-    it starts only once an op writes it, so without them a peak before that write (say at the
-    end of forward) would leave the buckets out."""
-    if ddp is not None:
-        return list(ddp.values())
-    if not hasattr(model, "_shardwise"):  # the floor and FSDP2 keep none
-        return []
-    from .accounting import kept_buckets
-
-    return kept_buckets(model)
-
-
-def _tracked_peak(model, opts: list, kept: list[torch.Tensor], autocast, work: Workload, x, y) -> dict:
-    """Peak bytes of one step under torch's MemTracker, and its breakdown at the peak."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, *opts, *kept)
-    with tracker, warnings.catch_warnings():
-        # its post-accumulate-grad hook finds .grad already moved on by shardwise's reduce;
-        # the gradient itself was tracked by its tensor hook, which ran first
-        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
-        train_step(model, opts, autocast, work, x, y)
-    snap = tracker.get_tracker_snapshot("peak")
-    dev = next((d for d in snap if d.type != "meta"), None)
-    if dev is None:
-        return {"Total": 0}
-    return {str(k): int(v) for k, v in snap[dev].items()}
-
-
 # --------------------------------------------------------------------------- summary
-def _theory(
-    system: str,
-    psi: int,
-    root: int,
-    trained: int,
-    world: int,
-    b_gather: int,
-    b_reduce: int,
-    mesh: tuple[int, int] | None = None,
-) -> int:
-    """Bytes per rank per step in theory, for psi parameters on N ranks (ring collectives):
-    full shard gathers every unit twice, less the root's backward gather (the root stays
-    gathered from forward to backward, in shardwise as in FSDP2), and reduce-scatters once;
-    shard_grad_op gathers once; DDP and no_shard all-reduce the gradients (2 psi b). Hybrid
-    systems on ``mesh`` (R replicas x S): the same over the S ranks of a shard group, and each
-    rank's reduced shard all-reduced across the R replicas (2 psi b (R-1)/(R S)). shardwise
-    adds its step check over all N: one all-reduce of a flag per trained parameter and two
-    numbers."""
+def _theory(system: str, cfg: BenchConfig, results: dict) -> int:
+    """Bytes per rank per step in theory for ``system`` (``accounting.theory``: ring
+    collectives; the root stays gathered from forward to backward, in shardwise as in FSDP2;
+    hybrid systems on the results' mesh; shardwise's step check)."""
     if system == "floor":
         return 0
-    wire = system.partition("+")[2]
-    b_across = b_reduce
-    if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole, ~exact)
+    psi = results["num_params"]
+    wire = system.partition("+")[2] or (cfg.comm if system.startswith("shardwise") else "exact")
+    b_gather, b_reduce, b_across = (2 if cfg.mixed_precision == "bf16" else 4), 4, 4
+    if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole)
         b_gather = b_reduce = b_across = Codec(wire).nbytes(psi) / psi
     elif wire.startswith("replica-"):
         b_across = Codec(wire.removeprefix("replica-")).nbytes(psi) / psi
-    strategy = strategy_of(system)
-    r, s = mesh if is_hybrid(system) else (1, world)
-    if strategy in ("full_shard", "hybrid_shard"):
-        gathered = (2 * psi - root) * b_gather + psi * b_reduce
-    elif strategy in ("shard_grad_op", "hybrid_shard_grad_op"):
-        gathered = psi * b_gather + psi * b_reduce
-    else:
-        gathered = 2 * psi * b_reduce
-    across = 2 * psi * b_across * (r - 1) // (r * s)
-    check = 2 * step_check_nbytes(trained) * (world - 1) // world if system.startswith("shardwise") else 0
-    return int(gathered * (s - 1) // s + across + check)
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    kinds = theory(
+        strategy_of(system) or "no_shard",
+        psi,
+        world=len(results["ranks"]),
+        replicas=results["mesh"][0] if results.get("mesh") else 1,
+        b_gather=b_gather,
+        b_reduce=b_reduce,
+        b_across=b_across,
+        root=results["root_params"],
+        trained=results["trained_tensors"] if system.startswith("shardwise") else None,
+    )
+    return int(sum(kinds.values()))
 
 
 def summarize(cfg: BenchConfig, results: dict) -> dict:
@@ -813,7 +569,6 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
     memory (the largest rank's), bytes per step, the ratios, and the first-loss check."""
     ranks = results["ranks"]
     world = len(ranks)
-    b_gather = 2 if cfg.mixed_precision == "bf16" else 4
     rows = {}
     for name in cfg.systems:
         per_rank = [r[name] for r in ranks]
@@ -829,8 +584,8 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
         )
         rows[name] = {
             "median_ms": 1e3 * med,
-            "p25_ms": 1e3 * _quantile(steps, 0.25),
-            "p75_ms": 1e3 * _quantile(steps, 0.75),
+            "p25_ms": 1e3 * float(np.percentile(steps, 25)),
+            "p75_ms": 1e3 * float(np.percentile(steps, 75)),
             "step_ms": [1e3 * t for t in steps],
             "cpu_ms_per_rank": 1e3
             * statistics.median(c for v in kept for r in v for c in r["own_cpu"]),
@@ -844,16 +599,7 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "bytes_per_step": statistics.mean(sum(r[name]["bytes"].values()) for r in ranks),
             "bytes_by_kind": ranks[0][name]["bytes"],
             "shardwise_comm_stats_bytes": ranks[0][name]["shardwise_bytes"],
-            "theory_bytes": _theory(
-                name if "+" in name or cfg.comm == "exact" or not name.startswith("shardwise") else f"{name}+{cfg.comm}",
-                results["num_params"],
-                results["root_params"],
-                results["trained_tensors"],
-                world,
-                b_gather,
-                4,
-                results.get("mesh"),
-            ),
+            "theory_bytes": _theory(name, cfg, results),
             "wait_ms_per_step": 1e3 * sum(v[0]["wait_s"] for v in kept) / len(steps),
             # the slowest rank's optimizer steps (an owner orthogonalizes its matrices alone)
             "opt_ms": 1e3 * statistics.median(max(ts) for v in kept for ts in zip(*(r["opt_times"] for r in v))),
@@ -862,12 +608,11 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
             "unknown_collectives": ranks[0][name]["unknown_collectives"],
         }
     for name, row in rows.items():
-        kind, strategy = name.partition("/")[0], strategy_of(name)
+        ours, fsdp2 = name.startswith("shardwise/"), rows.get(f"fsdp2/{strategy_of(name)}")
         row["x_floor"] = _ratio(row, rows.get("floor"))
-        fsdp2 = rows.get(f"fsdp2/{strategy}")
-        row["x_fsdp2"] = _ratio(row, fsdp2) if kind == "shardwise" else None
-        row["opt_x_fsdp2"] = row["opt_ms"] / fsdp2["opt_ms"] if kind == "shardwise" and fsdp2 else None
-        row["x_ddp"] = _ratio(row, rows.get("ddp")) if kind == "shardwise" else None
+        row["x_fsdp2"] = _ratio(row, fsdp2) if ours else None
+        row["opt_x_fsdp2"] = _ratio(row, fsdp2, "opt_ms") if ours else None
+        row["x_ddp"] = _ratio(row, rows.get("ddp")) if ours else None
     return {
         "config": asdict(cfg),
         "world_size": world,
@@ -887,8 +632,8 @@ def summarize(cfg: BenchConfig, results: dict) -> dict:
     }
 
 
-def _ratio(row: dict, base: dict | None) -> float | None:
-    return row["median_ms"] / base["median_ms"] if base else None
+def _ratio(row: dict, base: dict | None, key: str = "median_ms") -> float | None:
+    return row[key] / base[key] if base else None
 
 
 def _loss_check(rows: dict, tol: float) -> dict:
@@ -903,25 +648,7 @@ def _loss_check(rows: dict, tol: float) -> dict:
                 rel = abs(loss - base) / max(abs(base), 1e-12)
                 if rel > worst:
                     worst, where = rel, f"{name} on rank {rank}: {loss} vs {ref_name}'s {base}"
-    return {
-        "ok": worst <= tol,
-        "tolerance": tol,
-        "worst_rel_diff": worst,
-        "worst": where,
-        "rank0_loss": ref,
-    }
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL"
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Gloo"
+    return {"ok": worst <= tol, "tolerance": tol, "worst_rel_diff": worst, "worst": where, "rank0_loss": ref}
 
 
 # --------------------------------------------------------------------------- output
@@ -956,24 +683,33 @@ def render_markdown(summary: dict) -> str:
         + "; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
         f"{summary['date']}",
-        "",
-        f"| system | median ms | p25-p75 ms | visits | {'rows' if c['model'] == 'mlp' else 'tokens'}/s | peak MiB | comm MiB/step | theory MiB | x floor | x FSDP2 | x DDP |"
-        + (" optimizer | opt ms | opt x FSDP2 | matrices' max abs diff vs 1 process |" if muon else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|---:|---:|---:|" if muon else ""),
     ]
-    for name, r in summary["systems"].items():
-        lines.append(
-            f"| {name} | {r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | "
-            f"{r['visits_kept']}/{len(r['others_load'])} | {r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**20:.1f} | "
-            f"{r['bytes_per_step'] / 2**20:.2f} | {r['theory_bytes'] / 2**20:.2f} | "
-            f"{_fmt(r['x_floor'], '.2f')} | {_fmt(r['x_fsdp2'], '.2f')} | {_fmt(r['x_ddp'], '.2f')} |"
-            + (
-                f" {'Muon + AdamW' if whole_matrix(name, 'muon') else 'AdamW'} | {r['opt_ms']:.1f} | "
-                f"{_fmt(r['opt_x_fsdp2'], '.2f')} | {_fmt(r['max_diff'], '.1e')} |"
-                if muon
-                else ""
-            )
-        )
+    columns = [  # header, right-aligned, cell of (name, row)
+        ("system", False, lambda n, r: n),
+        ("median ms", True, lambda n, r: f"{r['median_ms']:.1f}"),
+        ("p25-p75 ms", True, lambda n, r: f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}"),
+        ("visits", True, lambda n, r: f"{r['visits_kept']}/{len(r['others_load'])}"),
+        (f"{'rows' if c['model'] == 'mlp' else 'tokens'}/s", True, lambda n, r: f"{r['tokens_per_s']:,.0f}"),
+        ("peak MiB", True, lambda n, r: f"{r['peak_bytes'] / 2**20:.1f}"),
+        ("comm MiB/step", True, lambda n, r: f"{r['bytes_per_step'] / 2**20:.2f}"),
+        ("theory MiB", True, lambda n, r: f"{r['theory_bytes'] / 2**20:.2f}"),
+        ("x floor", True, lambda n, r: _fmt(r["x_floor"], ".2f")),
+        ("x FSDP2", True, lambda n, r: _fmt(r["x_fsdp2"], ".2f")),
+        ("x DDP", True, lambda n, r: _fmt(r["x_ddp"], ".2f")),
+    ]
+    if muon:
+        columns += [
+            ("optimizer", False, lambda n, r: "Muon + AdamW" if whole_matrix(n, "muon") else "AdamW"),
+            ("opt ms", True, lambda n, r: f"{r['opt_ms']:.1f}"),
+            ("opt x FSDP2", True, lambda n, r: _fmt(r["opt_x_fsdp2"], ".2f")),
+            ("matrices' max abs diff vs 1 process", True, lambda n, r: _fmt(r["max_diff"], ".1e")),
+        ]
+    lines += [
+        "",
+        "| " + " | ".join(head for head, _, _ in columns) + " |",
+        "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|",
+        *("| " + " | ".join(cell(n, r) for *_, cell in columns) + " |" for n, r in summary["systems"].items()),
+    ]
     lc = summary["loss_check"]
     load = [f for r in summary["systems"].values() for f in r["others_load"]]
     redone = sum(r["redone_visits"] for r in summary["systems"].values())

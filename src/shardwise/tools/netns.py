@@ -48,28 +48,23 @@ class Link:
     namespaces: tuple[str, str]
     devices: tuple[str, str]
     addresses: tuple[str, str]
-    rate: str
-    delay: str  # propagation delay each way ("" where the kernel has no netem)
-
-    def run(self, node: int, cmd: Sequence[str], **popen) -> subprocess.Popen:
-        """Start ``cmd`` inside node ``node``'s namespace, Gloo bound to its veth."""
-        env = {**os.environ, **popen.pop("env", {}), "GLOO_SOCKET_IFNAME": self.devices[node]}
-        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *cmd], env=env, **popen)
 
     def agent(
         self, node: int, nproc: int, args: Sequence[str], *, port: int = 29531, run_id: str = "shardwise",
         log: Path | None = None, env: dict | None = None,
     ) -> subprocess.Popen:
-        """One torchrun agent of ``nproc`` ranks on node ``node`` running ``python args``."""
+        """One torchrun agent of ``nproc`` ranks on node ``node`` running ``python args``, in
+        the node's namespace with Gloo bound to its veth."""
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            "ip", "netns", "exec", self.namespaces[node], sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "2", "--nproc_per_node", str(nproc), "--max_restarts", "0",
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.addresses[0]}:{port}", "--rdzv_id", run_id,
             "--rdzv_conf", f"is_host={int(node == 0)}", "--local_addr", self.addresses[node],
             *args,
         ]
         out = open(log, "w") if log is not None else None  # noqa: SIM115 (the child holds it)
-        return self.run(node, cmd, env=env or {}, stdout=out, stderr=subprocess.STDOUT if out else None)
+        env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.devices[node]}
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
 
 
 @contextlib.contextmanager
@@ -94,7 +89,7 @@ def two_nodes(rate: str = "1gbit", delay: str = "1ms", burst: str = "1mb") -> It
                 netem = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", delay], capture_output=True, check=False).returncode == 0
             parent = ["parent", "1:", "handle", "2:"] if netem and delay else ["root"]
             _run([*tc, *parent, "tbf", "rate", rate, "burst", burst, "latency", "100ms"])
-        yield Link(ns, dev, addrs, rate, delay if netem else "")
+        yield Link(ns, dev, addrs)
     finally:
         for n in ns:  # deleting a namespace deletes its end of the pair, and so the pair
             subprocess.run(["ip", "netns", "del", n], capture_output=True, check=False)

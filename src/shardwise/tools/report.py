@@ -19,12 +19,17 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ..collectives import step_check_nbytes
+import torch
+
 from ..policies import Sharding
+from . import accounting
 from . import trace as T
 
 TEMPLATE = "report_template.html"
-_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, None: 4}
+
+
+def _itemsize(dtype: str | None) -> int:
+    return getattr(torch, dtype or "float32").itemsize
 
 
 def build(data: dict, step: int = -1) -> dict:
@@ -41,33 +46,23 @@ def build(data: dict, step: int = -1) -> dict:
     view_ranks, merged = [], []
     for r in ranks:
         start, end = r["steps"][index]
-        events = [e for e in r["events"] if start <= e[0] <= end]
         spans = [s for s in T.spans(r, units) if s["start"] < end and s["end"] > start]
         for s in spans:
             s["start"], s["end"] = _rel(max(s["start"], start), t0), _rel(min(s["end"], end), t0)
         _depths(spans)
-        lanes = {
-            track: T.lanes([s for s in spans if s["track"] == track])
-            for track in ("gather", "reduce", "replica")
-        }
-        memory = [
-            [_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"
+        view_ranks.append({
+            "rank": r["rank"],
+            "spans": spans,
+            "lanes": {t: T.lanes([s for s in spans if s["track"] == t]) for t in ("gather", "reduce", "replica")},
+            "memory": [[_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"],
+            "initial": _states_before(r["events"], start, units),
+            "start": _rel(start, t0),
+            "end": _rel(end, t0),
+        })
+        merged += [
+            [_rel(e[0], t0), r["rank"], e[1], e[2], *e[3:4]]
+            for e in r["events"] if start <= e[0] <= end and e[1] in MECHANISM_EVENTS
         ]
-        initial = _states_before(r["events"], start, units)
-        view_ranks.append(
-            {
-                "rank": r["rank"],
-                "spans": spans,
-                "lanes": lanes,
-                "memory": memory,
-                "initial": initial,
-                "start": _rel(start, t0),
-                "end": _rel(end, t0),
-            }
-        )
-        for e in events:
-            if e[1] in MECHANISM_EVENTS:
-                merged.append([_rel(e[0], t0), r["rank"], e[1], e[2], *e[3:4]])
     merged.sort(key=lambda e: (e[0], e[1]))
     return {
         "title": _title(data),
@@ -88,16 +83,8 @@ def build(data: dict, step: int = -1) -> dict:
 
 # the events that change what the mechanism view shows
 MECHANISM_EVENTS = (
-    "forward",
-    "backward",
-    "optimizer",
-    "gather_issue",
-    "gather_done",
-    "reshard",
-    "reduce_issue",
-    "reduce_done",
-    "reduce_complete",
-    "step_end",
+    "forward", "backward", "optimizer", "gather_issue", "gather_done", "reshard", "reduce_issue", "reduce_done",
+    "reduce_complete", "step_end",
 )
 
 
@@ -125,13 +112,11 @@ def _states_before(events: list[list], t: float, units: list[dict]) -> list[str]
             break
         if e[2] < 0 or units[e[2]]["kind"] == "replicated":
             continue
-        if e[1] == "gather_issue":
-            states[e[2]] = "gathering"
-        elif e[1] == "gather_done":
-            states[e[2]] = "gathered"
-        elif e[1] == "reshard":
-            states[e[2]] = "sharded"
+        states[e[2]] = _STATE_AFTER.get(e[1], states[e[2]])
     return states
+
+
+_STATE_AFTER = {"gather_issue": "gathering", "gather_done": "gathered", "reshard": "sharded"}
 
 
 def _mesh(data: dict) -> dict:
@@ -148,78 +133,40 @@ def figures(data: dict, index: int) -> dict:
     reps, s = mesh["replicate"], mesh["shard"]
     units = data["units"]
     psi = sum(u["params"] for u in units)
-    b_gather = _ITEM[data["precision"]["param_dtype"]]
-    b_reduce = _ITEM[data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"]]
-    sharding = Sharding.of(data["strategy"])
-    gathers = 2 if sharding.reshard_after_forward else 1
-    if not sharding.shard:
-        theory = {
-            "all_gather": 0,
-            "reduce_scatter": 0,
-            "all_reduce": 2 * psi * b_reduce * (n - 1) // n,
-        }
-        formula = "2*psi*b*(N-1)/N"
-    else:
-        theory = {
-            "all_gather": gathers * psi * b_gather * (s - 1) // s,
-            "reduce_scatter": psi * b_reduce * (s - 1) // s,
-            "all_reduce": 0,
-        }
-        group = "S" if sharding.hybrid else "N"
-        formula = f"({gathers}*b_gather + b_reduce)*psi*({group}-1)/{group}"
-    if sharding.hybrid:
-        theory["replica_all_reduce"] = 2 * psi * b_reduce * (reps - 1) // (reps * s)
-        formula += " + 2*b_reduce*psi*(R-1)/(R*S)"
-    # the step check: one all-reduce of a flag per trained parameter and two numbers
+    b_gather = _itemsize(data["precision"]["param_dtype"])
+    b_reduce = _itemsize(data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"])
     trained = sum(u.get("trained", 0) for u in units)
-    theory["step_check"] = 2 * step_check_nbytes(trained) * (n - 1) // n if n > 1 else 0
-    formula += " + step check"
+    theory = accounting.theory(
+        data["strategy"], psi, world=n, replicas=reps, b_gather=b_gather, b_reduce=b_reduce, trained=trained
+    )
+    formula = accounting.formula(data["strategy"], b_gather == b_reduce) + " + step check"
     # the ranks each kind runs over: gathers, reduce-scatters and clipping's all-reduce in
-    # the shard group (the world, without hybrid sharding)
+    # the shard group (the world, without hybrid sharding); all-reduces move twice
     over = {"all_gather": s, "reduce_scatter": s, "all_reduce": s, "replica_all_reduce": reps, "step_check": n}
-    sent, blocked, comm_time, step_time = [], [], [], []
+    twice = ("all_reduce", "replica_all_reduce", "step_check")
+    sent, blocked, comm_time, step_time, ddp_state = [], [], [], [], 0
     for r in data["ranks"]:
         start, end = r["steps"][index]
         by_kind = dict.fromkeys(theory, 0)
-        wait = 0.0
-        for e in r["events"]:
-            if e[1] == "collective" and start <= e[0] <= end:
-                kind, payload = e[3], e[4]
-                if kind in by_kind:
-                    twice = kind in ("all_reduce", "replica_all_reduce", "step_check")
-                    g = over[kind]
-                    by_kind[kind] += (2 if twice else 1) * payload * (g - 1) // g
-                wait += e[6]
-        spans = [
-            s for s in T.spans(r, units) if s["track"] != "compute" and start <= s["start"] <= end
-        ]
+        collectives = [e for e in r["events"] if e[1] == "collective" and start <= e[0] <= end]
+        for _, _, _, kind, payload, _, _ in collectives:
+            if kind in by_kind:
+                by_kind[kind] += (1 + (kind in twice)) * payload * (over[kind] - 1) // over[kind]
+        comm = [x for x in T.spans(r, units) if x["track"] != "compute" and start <= x["start"] <= end]
         sent.append(by_kind)
-        blocked.append(round(wait, 7))
-        comm_time.append(round(sum(s["end"] - s["start"] for s in spans), 7))
+        blocked.append(round(sum(e[6] for e in collectives), 7))
+        comm_time.append(round(sum(x["end"] - x["start"] for x in comm), 7))
         step_time.append(round(end - start, 7))
-    by_rank: dict[int, list[dict]] = {}
-    for row in T.summary(data):
-        by_rank.setdefault(row["rank"], []).append(row)
-    peaks = {}
-    for rank, rows in by_rank.items():  # the compute device's peak; host memory apart
-        dev = next((d for d in rows if d["device"] != "cpu"), rows[0])
-        host = next((d for d in rows if d is not dev), None)
-        peaks[rank] = {
-            "peak": dev["peak"],
-            "host": host["peak"] if host else 0,
-            "model_state": sum(d["model_state"] for d in rows),
-        }
-    opt_total = 0
-    for r in data["ranks"]:
-        ends = [
-            m for m in r["memory"] if any(e[1] == "step_end" and e[0] == m[0] for e in r["events"])
-        ]
-        if ends:
-            opt_total += max(m[2 + data["categories"].index("optimizer")] for m in ends)
-    master = sum(u["params"] * _ITEM[u["dtype"]] for u in units)
-    ddp_state = 2 * master + opt_total  # whole parameters and gradients, all of the state
+        ends = {e[0] for e in r["events"] if e[1] == "step_end"}
+        opt = [m[2 + data["categories"].index("optimizer")] for m in r["memory"] if m[0] in ends]
+        ddp_state += max(opt, default=0)  # DDP holds all of the optimizer state on every rank,
+    ddp_state += 2 * sum(u["params"] * _itemsize(u["dtype"]) for u in units)  # whole params, grads
+    ranks = [r["rank"] for r in data["ranks"]]
+    summary = T.summary(data)
+    devices = {r: {d["device"]: d for d in summary if d["rank"] == r} for r in ranks}
+    gpu = {r: next((d for k, d in devices[r].items() if k != "cpu"), None) for r in ranks}
     links = None
-    if sharding.hybrid:
+    if "replica_all_reduce" in theory:
         within = ("all_gather", "reduce_scatter", "all_reduce")
         links = {
             "within": [sum(x[k] for k in within) for x in sent],
@@ -236,9 +183,9 @@ def figures(data: dict, index: int) -> dict:
         "blocked_s": blocked,
         "comm_s": comm_time,
         "step_s": step_time,
-        "peak": [peaks[r["rank"]]["peak"] for r in data["ranks"]],
-        "host": [peaks[r["rank"]]["host"] for r in data["ranks"]],
-        "model_state": [peaks[r["rank"]]["model_state"] for r in data["ranks"]],
+        "peak": [(gpu[r] or devices[r]["cpu"])["peak"] for r in ranks],  # the compute device's
+        "host": [devices[r]["cpu"]["peak"] if gpu[r] and "cpu" in devices[r] else 0 for r in ranks],
+        "model_state": [sum(d["model_state"] for d in devices[r].values()) for r in ranks],
         "ddp_model_state": ddp_state,
     }
 

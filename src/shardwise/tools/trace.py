@@ -12,20 +12,21 @@ pass, gathers, reshards, reductions) plus the optimizer's step. A communication 
 its issue to the moment the tracer first saw it complete: at the next life-cycle event, or at
 the wait, whichever came first (an upper bound of the transfer's end).
 
-Memory by category is sampled at every event, and the highest total between two samples is
-kept too. Note [memory categories]: parameter shards, gathered parameters, gradients and
-optimizer state are read from the tensors themselves (storage sizes of each unit's buffers, of
-every ``.grad`` and of the optimizer's state); activations are everything else that the traced
-code allocated and still holds. On CPU, torch's profiler runs with memory profiling and no
-activity (``_Allocations``): the CPU allocator reports every allocation and free from C++, so
-no Python runs per operator; when the trace ends, that log is replayed to give the bytes alive
-at each sample and the highest total between samples, and activations are those bytes minus
-the category storages that the trace allocated (told apart by address). On CUDA: the caching
-allocator's ``memory_allocated`` minus the categories, and its peak counter between samples,
-which the tracer resets. Under the planner (a fake world, fake tensors): the same replay of a
-log that a dispatch mode keeps (``_FakeAllocations``). It includes autograd's saved tensors
-and short-lived temporaries such as activation gradients. Tensors allocated before the trace
-began count only where they belong to a category (e.g. shards, existing optimizer state).
+Memory by category is sampled at every event, and the highest total between two samples is kept
+too. Note [memory categories]: parameter shards, gathered parameters, gradients and optimizer
+state are read from the tensors themselves (storage sizes of each unit's buffers, of every
+``.grad`` and of the optimizer's state); activations are everything else that the traced code
+allocated and still holds. On CPU, torch's profiler runs with memory profiling and no activity
+(``allocations._Allocations``): the CPU allocator reports every allocation and free from C++,
+so no Python runs per operator; when the trace ends, that log is replayed to give the bytes
+alive at each sample and the highest total between samples, and activations are those bytes
+minus the category storages that the trace allocated (told apart by address). On CUDA: the
+caching allocator's ``memory_allocated`` minus the categories, and its peak counter between
+samples, which the tracer resets. Under the planner (a fake world, fake tensors): the same
+replay of a log that a dispatch mode keeps (``allocations._FakeAllocations``). It includes
+autograd's saved tensors and short-lived temporaries such as activation gradients. Tensors
+allocated before the trace began count only where they belong to a category (e.g. shards,
+existing optimizer state).
 
 Clocks: every rank passes a barrier on entry and counts time from there, so ranks line up to
 within the barrier's skew.
@@ -33,221 +34,24 @@ within the barrier's skew.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import sys
 import time
-import weakref
-from functools import partial
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._C._profiler import (
-    ProfilerActivity,
-    ProfilerConfig,
-    ProfilerState,
-    _ExperimentalConfig,
-    _ExtraFields_Allocation,
-)
-from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import events, groups
 from ..collectives import comm_stats
 from ..runtime import Phase, _tensors, runtime_of
 from ..unit import ShardedUnit, Unit
+from .allocations import _Allocations, _FakeAllocations
 
 FORMAT = "shardwise-trace"
 VERSION = 1
 CATEGORIES = ("param_shards", "gathered", "gradients", "optimizer", "activations")
-
-
-class _Allocations:
-    """Every allocation and free of the CPU allocator on the entering thread, while active.
-
-    Torch's profiler with ``profile_memory`` and no activity to record: no operator callbacks,
-    only the allocator's own report of each block (address, signed size, time) from C++, read
-    once, at ``stop``. It misses frees made on other threads (a collective's worker dropping
-    the last reference to its buffers), so the category storages the tracer reads and the
-    buffers of every collective it follows are ``watch``ed too: a weak reference notes when
-    each is freed, on whichever thread; and ``_replay`` takes an address allocated again as
-    freed.
-    """
-
-    def __init__(self):
-        self._watched: dict[int, weakref.ref] = {}  # id(storage) -> its weak reference
-        self._buffers: list[tuple[int, weakref.ref]] = []  # the followed collectives'
-        self._freed: list[tuple[int, int, int, int]] = []
-
-    def start(self) -> None:
-        if torch.autograd._profiler_enabled():
-            raise RuntimeError(
-                "shardwise.trace measures CPU memory with torch's profiler, which is already "
-                "running on this thread: trace and profile in separate runs"
-            )
-        config = ProfilerConfig(
-            ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig()
-        )
-        activities = {ProfilerActivity.MTIA}  # nothing to record on CPU or CUDA machines
-        with _quiet():  # kineto announces every start and stop on stderr
-            _prepare_profiler(config, activities)
-            _enable_profiler(config, activities)
-
-    @staticmethod
-    def now() -> int:
-        """The log's clock (its entries' first field): nanoseconds since the epoch."""
-        return time.time_ns()
-
-    @staticmethod
-    def key(st: torch.UntypedStorage) -> int:
-        """How the log names a storage's block: its address."""
-        return st.data_ptr()
-
-    def watch(self, st: torch.UntypedStorage, ptr: int) -> None:
-        key = id(st)
-        if key not in self._watched:
-            self._watched[key] = weakref.ref(st, partial(self._on_free, key, ptr, time.time_ns()))
-
-    def watch_buffers(self, tensors: list[torch.Tensor]) -> None:
-        """Watch the buffers of a collective just issued: the last reference to them (e.g. a
-        reduce-scatter's rows) may go on the backend's worker thread, with its work."""
-        for t in tensors:
-            if t.device.type == "cpu":
-                st = t.untyped_storage()
-                if st.nbytes():
-                    self.watch(st, st.data_ptr())
-                    self._buffers.append((id(st), weakref.ref(st)))
-
-    def settle(self, keep: set[int], timeout: float = 1.0) -> None:
-        """Wait, at most ``timeout`` seconds, until the followed collectives' buffers that the
-        traced code no longer holds (their storage ids not in ``keep``) are freed. Gloo drops
-        a finished work, and with it its buffers, on its worker thread some time after the
-        waiter woke up (under load, many milliseconds later): the last sample must not count
-        them as held."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(
-            key not in keep and ref() is not None for key, ref in self._buffers
-        ):
-            time.sleep(0.001)
-
-    def _on_free(self, key: int, ptr: int, seen: int, _ref) -> None:
-        self._watched.pop(key, None)
-        self._freed.append((time.time_ns(), ptr, 0, seen))
-
-    def stop(self) -> list[tuple[int, int, int, int]]:
-        """End the log: (time in ns since the epoch, address, signed bytes, 0) per allocator
-        event and (time, address, 0, time it was watched) per watched storage freed."""
-        with _quiet():  # and warns that memory events have no kineto counterpart
-            result = _disable_profiler()
-            cpu = torch.device("cpu")
-            out = [
-                (e.start_time_ns, f.ptr, f.alloc_size, 0)
-                for e in result.experimental_event_tree()
-                if isinstance(f := e.extra_fields, _ExtraFields_Allocation) and f.device == cpu
-            ]
-        self._watched.clear()  # no callbacks from here on
-        out += self._freed
-        self._freed = []
-        out.sort(key=lambda e: e[0])
-        return out
-
-
-class _FakeAllocations(TorchDispatchMode):
-    """The allocation log of a run on fake tensors (the planner's), in ``_Allocations``' format.
-
-    Fake tensors allocate nothing, so the log is kept by hand: a dispatch mode notes each
-    storage an operator creates (an output whose storage none of its inputs holds), a weak
-    reference its free, and ``UntypedStorage.resize_`` (which does not dispatch; patched while
-    active, as torch's MemTracker does) each resize, by which units gather and free their
-    parameters. Blocks are named by the storage's id; the clock ticks once per entry.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._log: list[tuple[int, int, int, int]] = []
-        self._sizes: dict[int, int] = {}  # id(storage) -> bytes it holds as logged
-        self._refs: dict[int, weakref.ref] = {}
-        self._resize = None
-
-    def now(self) -> int:
-        return len(self._log)
-
-    @staticmethod
-    def key(st: torch.UntypedStorage) -> int:
-        return id(st)
-
-    def watch(self, st: torch.UntypedStorage, key: int) -> None:
-        pass  # every free is logged already
-
-    def watch_buffers(self, tensors: list[torch.Tensor]) -> None:
-        pass
-
-    def settle(self, keep: set[int]) -> None:
-        pass  # torch's fake group holds no buffers
-
-    def _note(self, st: torch.UntypedStorage) -> None:
-        """Log the bytes ``st`` holds now, if they changed (a freed block counts as -1)."""
-        key, n = id(st), st.nbytes()
-        if key not in self._refs:
-            self._refs[key] = weakref.ref(st, partial(self._on_free, key))
-        if n != self._sizes.get(key, 0):
-            self._sizes[key] = n
-            self._log.append((len(self._log) + 1, key, n or -1, 0))
-
-    def _on_free(self, key: int, _ref) -> None:
-        self._refs.pop(key, None)
-        if self._sizes.pop(key, 0):
-            self._log.append((len(self._log) + 1, key, -1, 0))
-
-    def start(self) -> None:
-        original = self._resize = torch.UntypedStorage.resize_
-
-        def resize_(st: torch.UntypedStorage, size: int):
-            out = original(st, size)
-            self._note(st)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        self.__enter__()
-
-    def stop(self) -> list[tuple[int, int, int, int]]:
-        self.__exit__(None, None, None)
-        torch.UntypedStorage.resize_ = self._resize
-        self._refs.clear()  # no callbacks from here on
-        return self._log
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = None
-        for t in _tensors(out, []):
-            if t.layout != torch.strided:
-                continue
-            st = t.untyped_storage()
-            if id(st) in self._refs:
-                self._note(st)  # an output written in place may have grown (out=, resize_)
-                continue
-            if inputs is None:
-                inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs), []) if a.layout == torch.strided}
-            if id(st) not in inputs:  # else a view, or in place: no new memory
-                self._note(st)
-        return out
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Send this process's stderr (file descriptor 2) to /dev/null for the block."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
 
 
 # id(storage) -> (category, storage, device type: the tensor's, as a fake tensor's storage is
@@ -258,16 +62,7 @@ Storages = dict[int, tuple[str, torch.UntypedStorage, str]]
 def _in_flight(pending) -> list[torch.Tensor]:
     """The tensors a gather in flight holds: its receive rows, or, encoded on the wire, the
     messages it sends and receives (its rows are decoded only at the wait)."""
-    if pending is None:
-        return []
-    found, todo = [], [pending.result, pending.buffers]
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return found
+    return [] if pending is None else _tensors((pending.result, pending.buffers), [])
 
 
 def _add(out: Storages, category: str, t: torch.Tensor | None) -> None:
@@ -453,24 +248,16 @@ class Trace:
             dist.barrier()
         self._t0 = time.perf_counter()
         self._comm0 = comm_stats()
-        self._handles.append(
-            self.model.register_forward_pre_hook(self._on_root_forward, prepend=True)
-        )
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         root = self.units[-1]
         self._root_silent = not (isinstance(root, ShardedUnit) or root.casts)
         if self._root_silent:  # no_shard runs no forward hooks of its own (like DDP): mark its forward
             self._handles.append(self.model.register_forward_hook(self._on_root_forward_end))
         if self.optimizer is not None:
-            self._handles.append(
-                self.optimizer.register_step_pre_hook(
-                    lambda *a: self._event("optimizer", -1, edge="begin")
-                )
-            )
-            self._handles.append(
-                self.optimizer.register_step_post_hook(
-                    lambda *a: self._event("optimizer", -1, edge="end")
-                )
-            )
+            self._handles += [
+                self.optimizer.register_step_pre_hook(lambda *a: self._event("optimizer", -1, edge="begin")),
+                self.optimizer.register_step_post_hook(lambda *a: self._event("optimizer", -1, edge="end")),
+            ]
         self._known = _Known(self.units, self.optimizer, self.runtime, self._log)
         if self._log is not None:
             self._log.start()
@@ -537,19 +324,14 @@ class Trace:
         elif name in ("gather_issue", "reduce_issue"):
             ev.append(fields["bytes"])
         elif name == "collective":
-            ev += [
-                fields["kind"],
-                fields["bytes"],
-                self._rel(fields["t_issue"]),
-                round(fields["wait_s"], 7),
-            ]
+            ev += [fields["kind"], fields["bytes"], self._rel(fields["t_issue"]), round(fields["wait_s"], 7)]
         self._events.append(ev)
         if name in ("gather_issue", "reduce_issue") and unit >= 0:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
                 self._flight[id(p)] = (name.split("_")[0], unit, p)
-                if self._log is not None:  # (see _Allocations.watch_buffers)
-                    self._log.watch_buffers(_tensors((p.result, p.buffers), []))
+                if self._log is not None:  # (see allocations._Allocations.watch_buffers)
+                    self._log.watch_buffers(_in_flight(p))
         self._poll(rel)
         self._sample(t)
 
@@ -577,27 +359,14 @@ class Trace:
             if name == "cuda":
                 d["activations"] = max(0, total - sum(d.values()))
             if name != "meta":
-                self._memory.append(
-                    [
-                        rel,
-                        name,
-                        *(d[c] for c in CATEGORIES),
-                        peak if name == "cuda" else sum(d.values()),
-                    ]
-                )
+                high = peak if name == "cuda" else sum(d.values())
+                self._memory.append([rel, name, *(d[c] for c in CATEGORIES), high])
 
     # --- results
     def _gather(self) -> dict:
-        stats = comm_stats()
-        comm = {
-            k: {
-                "calls": v.calls - self._comm0[k].calls,
-                "bytes": v.bytes - self._comm0[k].bytes,
-                "payload_bytes": v.payload_bytes - self._comm0[k].payload_bytes,
-                "seconds": round(v.seconds - self._comm0[k].seconds, 7),
-                "wait_seconds": round(v.wait_seconds - self._comm0[k].wait_seconds, 7),
-            }
-            for k, v in stats.items()
+        comm = {  # what the traced steps added to each kind's totals
+            k: {f: round(getattr(v, f) - getattr(self._comm0[k], f), 7) for f in asdict(v)}
+            for k, v in comm_stats().items()
         }
         mine = {
             "rank": dist.get_rank(),
@@ -641,17 +410,18 @@ class Trace:
 
     def save(self, path: str | Path) -> Path:
         """Write the compact trace (the input of ``shardwise report``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self._require(), separators=(",", ":")))
-        return path
+        return _write(path, json.dumps(self._require(), separators=(",", ":")))
 
     def save_chrome(self, path: str | Path) -> Path:
         """Write the trace in Chrome's trace event format (Perfetto, chrome://tracing)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(to_chrome(self._require())))
-        return path
+        return _write(path, json.dumps(to_chrome(self._require())))
+
+
+def _write(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Trace:
@@ -678,11 +448,9 @@ def _unit_info(u: Unit) -> dict:
             "dtype": _dtype(u.flat_shard.dtype),
             "params": u.layout.numel,
             "trained": u.num_trainable,
-            "shard_bytes": u.flat_shard.numel() * u.flat_shard.element_size(),
+            "shard_bytes": u.flat_shard.nbytes,
             "gathered_bytes": u.layout.unsharded_numel * item,
-            "owned": [
-                [s.name, s.owner, s.numel * u.flat_shard.element_size()] for s in u.layout.slots if s.owned
-            ],
+            "owned": [[s.name, s.owner, s.numel * u.flat_shard.element_size()] for s in u.layout.slots if s.owned],
         }
     numel = sum(p.numel() for p in u.params)
     return {
@@ -691,7 +459,7 @@ def _unit_info(u: Unit) -> dict:
         "dtype": _dtype(u.params[0].dtype) if u.params else "float32",
         "params": numel,
         "trained": u.num_trainable,
-        "shard_bytes": sum(p.numel() * p.element_size() for p in u.params),
+        "shard_bytes": sum(p.nbytes for p in u.params),
         "gathered_bytes": numel * u.compute_dtype.itemsize if u.casts else 0,
     }
 
@@ -701,13 +469,9 @@ def load(path: str | Path) -> dict:
     """Read a compact trace, checking that it is one."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a shardwise trace (write one with shardwise.trace(...).save())"
-        )
+        raise ValueError(f"{path} is not a shardwise trace (write one with shardwise.trace(...).save())")
     if data.get("version") != VERSION:
-        raise ValueError(
-            f"{path} is a version {data.get('version')} trace; this shardwise reads {VERSION}"
-        )
+        raise ValueError(f"{path} is a version {data.get('version')} trace; this shardwise reads {VERSION}")
     return data
 
 
@@ -743,37 +507,28 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
         elif kind in ("gather_complete", "reduce_complete"):
             _close(issued, (kind.split("_")[0], unit), t)
         elif kind == "collective" and ev[3] == "replica_all_reduce":
-            s = _span("replica", "all_reduce", name(unit), ev[5], t)
-            s.update(bytes=ev[4], wait=ev[6])
-            out.append(s)
-        elif kind == "collective":
-            stream = (
-                "gather"
-                if ev[3] == "all_gather"
-                else "reduce"
-                if ev[3] in ("reduce_scatter", "all_reduce")
-                else None
-            )
-            if stream is not None:
-                _close(issued, (stream, unit), t, wait=ev[6], kind=ev[3])
+            out.append(_span("replica", "all_reduce", name(unit), ev[5], t, bytes=ev[4], wait=ev[6]))
+        elif kind == "collective" and ev[3] in _STREAM:
+            _close(issued, (_STREAM[ev[3]], unit), t, wait=ev[6])
     for (stream, unit), items in issued.items():
         for t0, t1, nbytes, wait in items:
-            s = _span(stream, stream, name(unit), t0, t1 if t1 is not None else end)
-            s.update(bytes=nbytes, wait=wait or 0.0)
-            out.append(s)
+            t1 = t1 if t1 is not None else end
+            out.append(_span(stream, stream, name(unit), t0, t1, bytes=nbytes, wait=wait or 0.0))
     for (k, u), t0 in open_compute.items():
         out.append(_span("compute", k, name(u), t0, end))
     out.sort(key=lambda s: (s["start"], -s["end"]))
     return out
 
 
-def _span(track: str, kind: str, unit: str, start: float, end: float) -> dict:
-    return {"track": track, "kind": kind, "unit": unit, "start": start, "end": max(start, end)}
+# the stream whose span a collective's wait closes
+_STREAM = {"all_gather": "gather", "reduce_scatter": "reduce", "all_reduce": "reduce"}
 
 
-def _close(
-    issued: dict, key: tuple[str, int], t: float, wait: float | None = None, kind: str | None = None
-) -> None:
+def _span(track: str, kind: str, unit: str, start: float, end: float, **extra) -> dict:
+    return {"track": track, "kind": kind, "unit": unit, "start": start, "end": max(start, end), **extra}
+
+
+def _close(issued: dict, key: tuple[str, int], t: float, wait: float | None = None) -> None:
     """Give the earliest open (or waiting) span of ``key`` its end and, at the wait, its wait."""
     for item in issued.get(key, []):
         if wait is not None and item[3] is None:
@@ -858,36 +613,15 @@ def to_chrome(data: dict) -> dict:
     out = []
     for r in data["ranks"]:
         pid = r["rank"]
-        out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {pid}"}})
-        out.append(
-            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}
-        )
+        out += _names(pid, None, f"rank {pid}", pid)
         every = spans(r, data["units"])
         for track in names:
             mine = [s for s in every if s["track"] == track]
             if track == "replica" and not mine:  # hybrid sharding only
                 continue
-            n = lanes(mine) if track != "compute" else 1
-            for lane in range(n):
+            for lane in range(lanes(mine) if track != "compute" else 1):
                 label = names[track] + (f" ({lane + 1})" if lane else "")
-                out.append(
-                    {
-                        "ph": "M",
-                        "pid": pid,
-                        "tid": base[track] + lane,
-                        "name": "thread_name",
-                        "args": {"name": label},
-                    }
-                )
-                out.append(
-                    {
-                        "ph": "M",
-                        "pid": pid,
-                        "tid": base[track] + lane,
-                        "name": "thread_sort_index",
-                        "args": {"sort_index": base[track] + lane},
-                    }
-                )
+                out += _names(pid, base[track] + lane, label, base[track] + lane)
         for s in every:
             label = f"{s['kind']} {s['unit']}".strip()
             ev = {
@@ -902,18 +636,19 @@ def to_chrome(data: dict) -> dict:
             if "bytes" in s:
                 ev["args"] = {"bytes": s["bytes"], "blocked_us": round(s["wait"] * 1e6, 3)}
             out.append(ev)
-        for sample in r["memory"]:
-            t, dev, *values, _peak = sample
-            out.append(
-                {
-                    "ph": "C",
-                    "pid": pid,
-                    "name": f"memory {dev} (MiB)",
-                    "ts": round(t * 1e6, 3),
-                    "args": {c: round(v / 2**20, 4) for c, v in zip(data["categories"], values)},
-                }
-            )
+        for t, dev, *values, _peak in r["memory"]:
+            mib = {c: round(v / 2**20, 4) for c, v in zip(data["categories"], values)}
+            out.append({"ph": "C", "pid": pid, "name": f"memory {dev} (MiB)", "ts": round(t * 1e6, 3), "args": mib})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _names(pid: int, tid: int | None, name: str, index: int) -> list[dict]:
+    """Chrome's metadata events naming and ordering a process (``tid`` None) or a thread."""
+    kind, at = ("process", {}) if tid is None else ("thread", {"tid": tid})
+    return [
+        {"ph": "M", "pid": pid, **at, "name": f"{kind}_name", "args": {"name": name}},
+        {"ph": "M", "pid": pid, **at, "name": f"{kind}_sort_index", "args": {"sort_index": index}},
+    ]
 
 
 def summary(data: dict) -> list[dict]:
@@ -925,29 +660,14 @@ def summary(data: dict) -> list[dict]:
     for r in data["ranks"]:
         by_dev: dict[str, dict] = {}
         ends = {e[0] for e in r["events"] if e[1] == "step_end"}
-        for sample in r["memory"]:
-            t, dev, *values, peak = sample
-            d = by_dev.setdefault(
-                dev,
-                {
-                    "rank": r["rank"],
-                    "device": dev,
-                    "peak": 0,
-                    "at_peak": None,
-                    "model_state": 0,
-                    "_top": -1,
-                },
-            )
-            total = sum(values)
+        top: dict[str, int] = {}  # the highest sampled total per device
+        for t, dev, *values, peak in r["memory"]:
+            d = by_dev.setdefault(dev, {"rank": r["rank"], "device": dev, "peak": 0, "at_peak": None, "model_state": 0})
+            v, total = dict(zip(cats, values)), sum(values)
             d["peak"] = max(d["peak"], peak, total)
-            if total > d["_top"]:
-                d["_top"], d["at_peak"] = total, dict(zip(cats, values))
+            if total > top.get(dev, -1):
+                top[dev], d["at_peak"] = total, v
             if t in ends:
-                v = dict(zip(cats, values))
-                d["model_state"] = max(
-                    d["model_state"], v["param_shards"] + v["gradients"] + v["optimizer"]
-                )
-        for d in by_dev.values():
-            del d["_top"]
-            out.append(d)
+                d["model_state"] = max(d["model_state"], v["param_shards"] + v["gradients"] + v["optimizer"])
+        out += by_dev.values()
     return out
