@@ -234,21 +234,26 @@ def theory(strategy, comm, shard_size=None):
     rt = model._shardwise
     for u in shardwise.units(model):
         if strategy == "no_shard":
-            n, w = sum(p.numel() for p in u.params), u.world
-            per = -(-n // w)
-            chunks = [max(0, min(per, n - r * per)) for r in range(w)]
-            out["all_reduce"] += 2 * sum(size(c) for r, c in enumerate(chunks) if r != u.rank)
+            out["all_reduce"] += all_reduce_bytes(sum(p.numel() for p in u.params), u.world, u.rank, size)
             continue
         others = [r for r in range(u.world) if r != u.rank]
         gathers = 2 if rt.sharding.reshard_after_forward and not u.is_root else 1
         out["all_gather"] += gathers * sum(size(u.layout.sizes[r]) for r in others)
         out["reduce_scatter"] += sum(size(u.grad_layout.sizes[r]) for r in others)
         if u.replicas > 1:
-            n, w, me = u.grad_layout.sizes[u.rank], u.replicas, dist.get_rank(u.replicate)
-            per = -(-n // w)
-            chunks = [max(0, min(per, n - r * per)) for r in range(w)]
-            out["replica_all_reduce"] += 2 * sum(size(c) for r, c in enumerate(chunks) if r != me)
+            n, me = u.grad_layout.sizes[u.rank], dist.get_rank(u.replicate)
+            out["replica_all_reduce"] += all_reduce_bytes(n, u.replicas, me, size)
     return out
+
+
+def all_reduce_bytes(n, world, rank, size):
+    """An encoded all-reduce of n elements: of two ranks, the whole message to the other;
+    else each other rank's chunk out, and its encoded sum back."""
+    if world == 2:
+        return size(n)
+    per = -(-n // world)
+    chunks = [max(0, min(per, n - r * per)) for r in range(world)]
+    return 2 * sum(size(c) for r, c in enumerate(chunks) if r != rank)
 
 
 @pytest.mark.parametrize("strategy, world, shard_size", [

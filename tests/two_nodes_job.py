@@ -20,16 +20,13 @@ from shardwise.quantize import Codec
 
 
 def expected_replica_bytes(model, codec) -> int:
-    """Cross-node bytes per step: each unit's gradient shard all-reduced over the replicas."""
+    """Cross-node bytes per step: each unit's gradient shard all-reduced over the two replicas
+    (encoded: the whole message to the other replica)."""
     total = 0
     for u in shardwise.units(model):
-        n, w, me = u.grad_layout.sizes[u.rank], u.replicas, dist.get_rank(u.replicate)
-        if codec is None:
-            total += 2 * n * 4 * (w - 1) // w
-            continue
-        per = -(-n // w)
-        chunks = [max(0, min(per, n - r * per)) for r in range(w)]
-        total += 2 * sum(codec.nbytes(c) for r, c in enumerate(chunks) if r != me)
+        n = u.grad_layout.sizes[u.rank]
+        assert u.replicas == 2
+        total += 4 * n if codec is None else codec.nbytes(n)
     return total
 
 

@@ -30,7 +30,9 @@ sends each rank its encoded row and sums the decoded rows it receives into its o
 (an all-to-all: nothing is encoded twice, as a ring would at every hop); with a residual
 (error feedback) each outgoing row first gets what encoding dropped from it last time, and
 keeps what is dropped now. An all-reduce is that reduce-scatter of its N chunks, then a gather
-of the encoded sums, decoded on every rank alike. Bytes booked are the messages' bytes, scales
+of the encoded sums, decoded on every rank alike; of two ranks (hybrid sharding's two nodes),
+a gather of the two encoded tensors, summed decoded in rank order on both: the same bytes in
+one trip instead of two. Bytes booked are the messages' bytes, scales
 included. On Gloo the all-reduce's second half is posted by a thread of its own once the first
 is in (its peers may finish their first halves in another order); on NCCL (untested: no GPU
 here) both halves are torch's own collectives on uint8 buffers, the second issued at the wait.
@@ -492,6 +494,8 @@ def _reduce_scatter_encoded(buf: ScatterRows, group, label, channel, codec: Code
 
 def _all_reduce_encoded(tensor, group, label, kind, numel, codec: Codec, channel, residual) -> Pending:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 2:
+        return _all_reduce_pair(tensor, group, label, kind, numel, codec, channel, residual)
     flat = tensor.view(-1)
     per = -(-flat.numel() // world)
     chunks = [flat[min(r * per, flat.numel()) : min((r + 1) * per, flat.numel())] for r in range(world)]
@@ -540,6 +544,33 @@ def _all_reduce_encoded(tensor, group, label, kind, numel, codec: Codec, channel
         return works, finish, None
 
     return _issue(kind, label, sum(lengths), tensor, start, buffers=held, numel=numel)
+
+
+def _all_reduce_pair(tensor, group, label, kind, numel, codec: Codec, channel, residual) -> Pending:
+    """The encoded all-reduce of two ranks: each sends the other its whole tensor encoded and
+    both sum the two decoded messages in rank order (the same bytes as the two halves, in one
+    trip over the link, rounded once)."""
+    flat = tensor.view(-1)
+    length = codec.nbytes(flat.numel())
+    gloo = _on_gloo(group)
+    s = _stats[kind]
+    s.calls += 1
+    s.payload_bytes += length
+    s.bytes += length
+    held: list = []
+
+    def start():
+        message = _encode_rows([flat], -1, codec, residual)[0]
+        works, messages = _gather_messages(message, (length, length), group, _tag(channel, _ALL_REDUCE_GATHER), gloo, held)
+
+        def finish() -> None:
+            total = codec.decode(messages[0], flat.numel())
+            total.add_(codec.decode(messages[1], flat.numel()))
+            flat.copy_(total)
+
+        return works, finish, None
+
+    return _issue(kind, label, length, tensor, start, buffers=held, numel=numel)
 
 
 def _encode_rows(rows: list[torch.Tensor], skip: int, codec: Codec, residual: torch.Tensor | None) -> list:
