@@ -212,7 +212,8 @@ def channel() -> int:
     return _channels
 
 
-# the message kinds of a channel: a gather, a reduce-scatter, and an encoded all-reduce's two halves
+# the message kinds of a channel: a gather, a reduce-scatter, and an encoded all-reduce's two
+# halves (of two ranks: its one gather is the second's)
 _GATHER, _REDUCE, _ALL_REDUCE_SUMS, _ALL_REDUCE_GATHER = range(4)
 
 
