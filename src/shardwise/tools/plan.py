@@ -502,8 +502,9 @@ def plan(
 
     budget: bytes or a string such as "24GiB": a per-unit configuration of ``wrap``'s units
     that fits, in the least predicted step time (tools/budget.py: a path from DDP through
-    sharding, then per unit resharding after forward, recomputation and, on a GPU, offload,
-    the cheapest saving per predicted second first, each move planned again). The plan's
+    sharding, then per unit resharding after forward, recomputation and, on a GPU, offload of
+    its state or its activations, the cheapest saving per predicted second first, each move
+    planned again). The plan's
     ``settings`` is what ``shard(model, plan=p)`` applies. The strategy, checkpointing and
     offload are then the search's to choose (a hybrid strategy may be named: the search keeps
     its shard groups).
