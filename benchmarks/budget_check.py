@@ -4,8 +4,8 @@
     python benchmarks/budget_check.py /tmp/bc --cpu          # two CPU ranks, Gloo
 
 The small GPT, fp32, AdamW; on the GPU 8 x 1024 tokens, on CPU 4 x 64 tokens per rank.
-1. The planner's path (tools/budget.py): on the GPU with offload of units' state as a move
-   (two memories), on CPU without (one memory).
+1. The planner's path (tools/budget.py): on the GPU with offload of units' state and of their
+   activations as moves (two memories), on CPU without (one memory).
 2. A sweep of five budgets from the smallest feasible to DDP's: the chosen configuration is
    applied by ``shard(plan=...)`` and its peak over a steady-state step measured (the
    device allocator's ``max_memory_allocated`` on CUDA, torch's MemTracker on CPU) against

@@ -453,6 +453,7 @@ def test_offload_saves_nothing_on_cpu():
     budget = gpu.peak + 1
     cpu = P.plan(gpt, world_size=2, wrap=block, batch_size=BATCH, budget=budget, backend="gloo")
     assert not any(e.cpu_offload for e in cpu.estimates)
+    assert not any(c.offload_activations for s in cpu.path for _, c in s.settings.units)
     assert cpu.choice is None and "nothing fits" in cpu.reason  # only offload would have "fit"
     assert one_memory.peak > budget  # and counted as one memory, it does not
     assert P.ONE_MEMORY in str(cpu) and "predicted peak (CPU)" in str(cpu)

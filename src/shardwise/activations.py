@@ -1,19 +1,30 @@
 """Activation offload: the activations a unit saves for backward wait in host memory.
 
 A chosen module's forward runs inside ``torch.autograd.graph.saved_tensors_hooks``: each
-tensor autograd saves (parameters excepted: the runtime gathers and frees those) is copied to
-host memory, and autograd keeps the copy instead of the original, which is freed as soon as
-the forward no longer uses it. In backward the copies come back: when autograd first asks for
+tensor autograd saves (parameters and views of them excepted: the runtime gathers and frees
+those) is copied to host memory, and autograd keeps the copy instead of the original. The
+originals are let go when the module's forward returns, and freed as soon as the rest of the
+forward no longer uses them. In backward the copies come back: when autograd first asks for
 one of a forward call's tensors, all of that call's tensors and those of the call that
-backward reaches next are copied back on a side stream, so that the next unit's copy overlaps
-this one's compute (PyTorch's ``save_on_cpu`` copies one tensor at a time, when asked).
+backward reaches next are copied back and their host copies dropped, so that the next unit's
+copy overlaps this one's compute (PyTorch's ``save_on_cpu`` copies one tensor at a time, when
+asked).
 
 On CUDA the copies run on one side stream under the rules of Note [stream ordering]
 (streams.py): the side stream waits for compute before it reads an activation or writes a
-buffer allocated on the compute stream; compute waits on the copy's event before it reads
-the result; an activation being copied out stays referenced until its copy is done. Host
-buffers are pinned. On CPU host and device are one memory: the copy is made and kept, and
-saves nothing (the planner never chooses it there); it is exact all the same.
+buffer allocated on the compute stream; compute waits for the copies out before the module's
+forward returns (its activations' memory is then free for compute to reuse) and on a copy
+back's event before it reads the result. Host buffers are pinned. On CPU the same steps run
+with plain copies: host and device are one memory, so it saves nothing there (the planner
+never chooses it on CPU), but it is exact, and the planner's run on fake tensors takes the
+device's steps (Note [host copies]).
+
+Note [host copies]: the planner's device peak leaves out the bytes that wait in host memory.
+An ``activations`` event (``host``: the bytes of host copies held from here on) is emitted
+just before each copy out is allocated and just after a call's host copies are dropped, so
+between two events host memory changes only at the start (a copy) or at the end (a drop):
+each traced interval's highest total less the host bytes of the event before it is the
+device's highest (tools/plan.py, ``_held``).
 """
 
 from __future__ import annotations
@@ -24,20 +35,24 @@ import weakref
 import torch
 import torch.nn as nn
 
+from . import events
 from .errors import ShardwiseError
+
+
+def is_activation(t: torch.Tensor) -> bool:
+    """Whether a tensor autograd saves is an activation (not a parameter, nor a view of one)."""
+    return not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter)
 
 
 class _Saved:
     """One saved tensor: its host copy and, in backward, its copy back."""
 
-    __slots__ = ("back", "back_done", "host", "out_done", "source")
+    __slots__ = ("back", "back_done", "host")
 
-    def __init__(self, host: torch.Tensor, source: torch.Tensor | None, out_done):
-        self.host = host
-        self.source = source  # CUDA: the activation, held until its copy out is done
-        self.out_done = out_done
+    def __init__(self, host: torch.Tensor):
+        self.host: torch.Tensor | None = host
         self.back: torch.Tensor | None = None
-        self.back_done = None
+        self.back_done = None  # CUDA: the copy back's event
 
 
 class _Call:
@@ -46,20 +61,27 @@ class _Call:
     def __init__(self, label: str):
         self.label = label
         self.saved: list[_Saved] = []
+        self.sources: list[torch.Tensor] = []  # the activations, held until the forward returns
+        self.host_bytes = 0  # of its host copies still held
         self.fetched = False
 
 
 class Offload:
-    """The activation offload of one model: its forward calls since the last backward, in
+    """The activation offload of one model: its forward calls whose host copies are held, in
     order, and the CUDA side stream the copies run on (None on CPU)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # CUDA: forward calls whose tensors have not been fetched back, in order; weak, so a
-        # graph dropped without a backward (evaluation with grad enabled) takes its copies along
+        # weak, so a graph dropped without a backward (evaluation with grad enabled) takes its
+        # copies along
         self.calls: list[weakref.ref[_Call]] = []
         self.bytes_out = 0  # bytes copied to host memory since creation (tests, tools)
+
+    @property
+    def on_host(self) -> int:
+        """Bytes of host copies held now."""
+        return sum(c.host_bytes for c in self._live())
 
     def wrap(self, module: nn.Module, label: str) -> None:
         """Offload what ``module``'s forward saves for backward."""
@@ -72,31 +94,36 @@ class Offload:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
             call = _Call(label)
-            if self.stream is not None:
-                self._release_copied()
-                self.calls.append(weakref.ref(call))
+            self.calls.append(weakref.ref(call))
             with torch.autograd.graph.saved_tensors_hooks(
                 functools.partial(self._pack, call), functools.partial(self._unpack, call)
             ):
-                return inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
+            if self.stream is not None:  # compute reuses the activations' memory after their copies
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            call.sources = []
+            return out
 
         module.forward = forward
 
     # --- forward: out to host memory
     def _pack(self, call: _Call, t: torch.Tensor):
-        if isinstance(t, nn.Parameter):
+        if not is_activation(t):
             return t
-        self.bytes_out += t.numel() * t.element_size()
+        n = t.numel() * t.element_size()
+        self.bytes_out += n
+        call.host_bytes += n
+        if events.listeners:  # (Note [host copies])
+            events.emit("activations", call.label, host=self.on_host)
+        host = torch.empty_like(t, device="cpu", pin_memory=self.stream is not None)
         if self.stream is None:
-            saved = _Saved(t.detach().to("cpu", copy=True), None, None)
+            host.copy_(t.detach())
         else:
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
-            compute = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(compute)  # rule 1: the activation is written
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 1: t is written
             with torch.cuda.stream(self.stream):
                 host.copy_(t.detach(), non_blocking=True)
-                done = self.stream.record_event()
-            saved = _Saved(host, t, done)
+        call.sources.append(t)
+        saved = _Saved(host)
         call.saved.append(saved)
         return saved
 
@@ -104,43 +131,40 @@ class Offload:
     def _unpack(self, call: _Call, saved) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        if self.stream is None:
-            return saved.host
         if not call.fetched:
             self._fetch(call)
-            earlier = self._pending()
+            earlier = self._live()  # (the fetched ones are dropped from it)
             if earlier:  # backward reaches the forward call before this one next
                 self._fetch(earlier[-1])
-        torch.cuda.current_stream(self.device).wait_event(saved.back_done)  # rule 2
+        if saved.back_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(saved.back_done)  # rule 2
         return saved.back
 
     def _fetch(self, call: _Call) -> None:
-        """Copy a forward call's tensors back to the device on the side stream."""
+        """Copy a forward call's tensors back to the device (on CUDA on the side stream) and
+        drop their host copies."""
         call.fetched = True
-        compute = torch.cuda.current_stream(self.device)
         backs = [torch.empty_like(s.host, device=self.device) for s in call.saved]  # on compute
-        self.stream.wait_stream(compute)  # rule 1: compute is done with that memory
-        with torch.cuda.stream(self.stream):
+        if self.stream is None:
             for s, back in zip(call.saved, backs):
-                back.copy_(s.host, non_blocking=True)
-                s.back = back
-                s.back_done = self.stream.record_event()
-        for s in call.saved:
-            s.out_done.synchronize()  # (long done: the forward has ended)
-            s.source = None
+                s.back = back.copy_(s.host)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 1: memory free
+            with torch.cuda.stream(self.stream):
+                for s, back in zip(call.saved, backs):
+                    s.back = back.copy_(s.host, non_blocking=True)
+                    s.back_done = self.stream.record_event()
+        for s in call.saved:  # (CUDA: the host allocator reuses a pinned block after its copies)
+            s.host = None
+        call.host_bytes = 0
         self.calls = [r for r in self.calls if r() is not None and r() is not call]
+        if events.listeners:  # (Note [host copies])
+            events.emit("activations", call.label, host=self.on_host)
 
-    def _pending(self) -> list[_Call]:
-        """The live forward calls not fetched back yet, in forward order."""
+    def _live(self) -> list[_Call]:
+        """The forward calls whose graphs are alive and host copies held, in forward order."""
         self.calls = [r for r in self.calls if r() is not None]
-        return [c for c in (r() for r in self.calls) if c is not None and not c.fetched]
-
-    def _release_copied(self) -> None:
-        """Drop the activations whose copy out is done (rule 3), as each forward call starts."""
-        for call in self._pending():
-            for s in call.saved:
-                if s.source is not None and s.out_done.query():
-                    s.source = None
+        return [c for c in (r() for r in self.calls) if c is not None]
 
 
 def _same(t):

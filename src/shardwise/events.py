@@ -3,7 +3,9 @@
 Events (``name``, ``unit`` label, fields): ``forward`` / ``backward`` with ``edge`` "begin" or
 "end" (a unit's compute in each pass), ``gather_issue`` / ``gather_done`` / ``reshard``,
 ``reduce_issue`` / ``reduce_done`` (``bytes``), ``collective`` (``kind``, ``bytes``,
-``t_issue``, ``wait_s``: emitted when a collective completes), and ``step_end``. Every event
+``t_issue``, ``wait_s``: emitted when a collective completes), ``step_end``, and
+``activations`` (``host``: bytes of offloaded activations in host memory from here on; Note
+[host copies] in activations.py). Every event
 carries ``t`` (time.perf_counter() seconds). The check ``if listeners`` is all it costs when off.
 """
 

@@ -14,7 +14,11 @@ at a time, the cheapest memory saving per predicted second first:
   recompute only the operations between (priced as one pass over its activations at the
   host copy rate, a stand-in for memory bandwidth, for an estimated half of their bytes);
 - offload a unit's state (on a GPU only: on a CPU run host and device are one memory, Note
-  [one memory] in plan.py): its shards, gradients and optimizer state cross the host link.
+  [one memory] in plan.py): its shards, gradients and optimizer state cross the host link;
+- offload a unit's activations (on a GPU only, likewise): what its forward saves crosses the
+  host link out in forward and back in backward, for the bytes its activations held. A unit
+  either recomputes its activations or offloads them: whichever is cheaper per byte comes
+  first, and the other is then not tried (offload may still replace selective recomputation).
 
 Savings are estimated to order the moves (gathered bytes; the unit's saved activations;
 its state), each kind's scaled by what its last kept move really saved of its estimate; each
@@ -60,7 +64,7 @@ class Profile:
 def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> float:
     """Predicted step time: forward and backward (three forwards), recomputation, the bytes
     the collectives send and the offloaded units' host traffic (shards in once per gather,
-    gradients out)."""
+    gradients out; saved activations out and back)."""
     fwd = profile.forward_flops.get("", 0)
     recompute = sum(
         profile.forward_flops.get(n, 0) for n, c in settings.units if c.checkpoint == "full"
@@ -68,12 +72,15 @@ def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> fl
     passes = sum(
         profile.saved_bytes.get(n, 0) for n, c in settings.units if c.checkpoint == "selective"
     )
+    stashed = sum(
+        2 * profile.saved_bytes.get(n, 0) for n, c in settings.units if c.offload_activations
+    )
     host = sum(
         profile.shard_bytes.get(n, 0) * (3 if c.reshard_after_forward else 2)
         for n, c in settings.units
         if c.offload
     )
-    return rates.seconds(flops=3 * fwd + recompute, host=host + passes, network=sent)
+    return rates.seconds(flops=3 * fwd + recompute, host=host + passes + stashed, network=sent)
 
 
 def path(
@@ -113,7 +120,7 @@ def path(
         steps.append(Step(kept, current, t, why))
     non_root = [n for n in names if n]
     moves = [(kind, n) for kind in ("reshard", "recompute", "selective") for n in non_root]
-    moves += [("offload", n) for n in names] if offload else []
+    moves += [(kind, n) for kind in ("offload", "offload activations") for n in names] if offload else []
 
     def estimate(move: tuple[str, str]) -> tuple[float, float]:
         """Predicted seconds a move adds and bytes it saves, before it is planned."""
@@ -130,6 +137,9 @@ def path(
             return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(
                 n, 0
             ) / 2
+        if kind == "offload activations":  # out in forward, back in backward
+            saved = profile.saved_bytes.get(n, 0)
+            return rates.seconds(host=2 * saved), saved
         # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
         return rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
 
@@ -146,8 +156,11 @@ def path(
     while remaining:
         kind, n = min(remaining, key=price)
         remaining.remove((kind, n))
-        if kind == "selective" and settings.of(n).checkpoint == "full":
-            continue  # (recomputed whole already: keeping more would save nothing)
+        c = settings.of(n)
+        if kind in ("recompute", "selective", "offload activations") and (
+            c.checkpoint == "full" or c.offload_activations
+        ):
+            continue  # (its activations are recomputed or offloaded already)
         trial = _moved(settings, kind, n, sharded)
         e = run(trial)
         label = f"{kind} {n or '<root>'}"
@@ -176,6 +189,7 @@ def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -
         "recompute": {"checkpoint": "full"},
         "selective": {"checkpoint": "selective"},
         "offload": {"offload": True},
+        "offload activations": {"checkpoint": "none", "offload_activations": True},
     }
     units = tuple((n, replace(c, **change[kind]) if n == name else c) for n, c in settings.units)
     strategy = sharded[1] if any(c.reshard_after_forward for _, c in units) else sharded[0]
@@ -230,6 +244,7 @@ def describe(settings: Settings) -> str:
         ("recomputed", sum(c.checkpoint == "full" for c in units)),
         ("recomputed selectively", sum(c.checkpoint == "selective" for c in units)),
         ("offloaded", sum(c.offload for _, c in settings.units)),
+        ("with activations offloaded", sum(c.offload_activations for _, c in settings.units)),
     ):
         if count:
             parts.append(f"{count} {what}")
@@ -238,11 +253,14 @@ def describe(settings: Settings) -> str:
 
 def table(settings: Settings) -> list[str]:
     """The per-unit table of a configuration."""
-    lines = [f"  {'unit':<28}{'reshard after fwd':>18}{'checkpoint':>12}{'offload':>9}"]
+    lines = [
+        f"  {'unit':<28}{'reshard after fwd':>18}{'checkpoint':>12}{'offload':>9}"
+        f"{'offload activations':>21}"
+    ]
     for n, c in settings.units:
         lines.append(
             f"  {n or '<root>':<28}{'yes' if c.reshard_after_forward else 'no':>18}{c.checkpoint:>12}"
-            f"{'yes' if c.offload else 'no':>9}"
+            f"{'yes' if c.offload else 'no':>9}{'yes' if c.offload_activations else 'no':>21}"
         )
     return lines
 

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import collectives, groups
+from .. import collectives, events, groups
 from .. import placement as placements
+from ..activations import is_activation
 from ..api import shard
 from ..build import select_units
 from ..checkpointing import checkpoint_activations
@@ -78,8 +79,9 @@ class Estimate:
     activations: int  # activations and temporaries of one micro-batch at their peak
     peak: int  # the device's predicted peak; on a CPU run, host and device (Note [one memory])
     peak_at: str  # when it happens
-    # host memory with cpu_offload (shards, gradients, state, the step's temporaries); 0 where
-    # host and device are one memory (a CPU run: ``peak`` counts both, Note [one memory])
+    # host memory with offload (shards, gradients, state, the step's temporaries; activations'
+    # host copies); 0 where host and device are one memory (a CPU run: ``peak`` counts both,
+    # Note [one memory])
     host: int
     comm: dict[str, int] = field(default_factory=dict)  # bytes sent per step, by collective
     # peaks by stage: "shard" (shard() itself, host and device) and "after_shard" (what it
@@ -204,9 +206,11 @@ def _step(job: _Job, model: nn.Module, opt: torch.optim.Optimizer, scaler, aroun
 
 def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Profile | None = None):
     """Shard as ``settings`` say (with ``checkpointing``, also ``job.checkpointing``'s
-    modules), take a step, trace the next: the trace, the optimizer's name and shard()'s own
-    peak and final bytes (its log, as the tracer keeps one). A ``profile`` given gets the
-    units' forward FLOPs and saved activations from the first step."""
+    modules), take a step, trace the next: the trace, the optimizer's name, shard()'s own
+    peak and final bytes (its log, as the tracer keeps one) and the bytes of activations in
+    host memory after each ``activations`` event of the trace (Note [host copies] in
+    activations.py). A ``profile`` given gets the units' forward FLOPs and saved activations
+    from the first step."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when planning
 
     model = job.build()
@@ -231,9 +235,19 @@ def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Pro
         opt = job.optimizer(list(model.parameters()))
         scaler = GradScaler(model) if job.precision.needs_loss_scaling else None
         _step(job, model, opt, scaler, _profiling(model, settings, profile) if profile else None)
+        host: list[int] = []
+
+        def note(name: str, unit: str, t: float, **fields) -> None:
+            if name == "activations":
+                host.append(fields["host"])
+
         with trace(model, opt) as t:
-            _step(job, model, opt, scaler)
-    return t.data, type(opt).__name__, _peak_and_end(entries)
+            events.listen(note)  # (inside the trace: the two hear the same events)
+            try:
+                _step(job, model, opt, scaler)
+            finally:
+                events.unlisten(note)
+    return t.data, type(opt).__name__, _peak_and_end(entries), host
 
 
 @contextlib.contextmanager
@@ -262,7 +276,7 @@ def _profiling(model: nn.Module, settings: Settings, profile: search.Profile):
         hooks.append(modules[name].register_forward_hook(leave, always_call=True))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if stack and not isinstance(t, nn.Parameter):
+        if stack and is_activation(t):
             profile.saved_bytes[stack[-1]] = profile.saved_bytes.get(stack[-1], 0) + t.numel() * t.element_size()
         return t
 
@@ -292,13 +306,16 @@ def _peak_and_end(entries: list[tuple[int, int, int, int]]) -> tuple[int, int]:
 
 
 # Note [one memory]: under Gloo shardwise computes on the CPU, so the "device" is host memory:
-# cpu_offload moves shards, gradients and optimizer state from one part of that memory to
-# another and saves nothing (it adds the step's copies). The estimate's peak then counts all of
-# it, host and device together, and a budget never tries offload there (ONE_MEMORY says why).
-# Under NCCL they are two memories: the device peak leaves out what offload keeps on the host.
+# offload of a unit's state (shards, gradients, optimizer state) or of its activations moves
+# bytes from one part of that memory to another and saves nothing (it adds the copies). The
+# estimate's peak then counts all of it, host and device together, and a budget never tries
+# offload there (ONE_MEMORY says why). Under NCCL they are two memories: the device peak leaves
+# out what offload keeps on the host (the state's share, landed gradients, and the activations'
+# host copies, Note [host copies] in activations.py), and ``host`` counts it.
 ONE_MEMORY = (
-    "on CPU (gloo) host and device are one memory: offload moves bytes within it and saves "
-    "nothing, so the peak counts both and a budget never chooses offload"
+    "on CPU (gloo) host and device are one memory: offload of state or of activations moves "
+    "bytes within it and saves nothing, so the peak counts both and a budget never chooses "
+    "either"
 )
 
 
@@ -306,6 +323,7 @@ def _estimate(
     data: dict,
     shard_bytes: tuple[int, int],
     settings: Settings,
+    host_activations: list[int],
     *,
     checkpointing: bool,
     precision_name: str,
@@ -313,8 +331,10 @@ def _estimate(
 ) -> Estimate:
     """The estimate read off a traced step (rank 0's record; see the module doc). With
     offload on a GPU the host holds the offloaded units' shards and optimizer state, and the
-    step's gradients and temporaries; the device what forward and backward add. On a CPU run
-    both are one memory, and the peak is all of it (Note [one memory])."""
+    step's gradients and temporaries; the device what forward and backward add. Offloaded
+    activations are on the host from their copy out to their copy back (``host_activations``:
+    the bytes there after each ``activations`` event). On a CPU run both are one memory, and
+    the peak is all of it (Note [one memory])."""
     offloaded = [c.offload for _, c in settings.units]  # (in the runtime's order of units)
     split = any(offloaded) and not one_memory  # host and device apart
     rank, cats = data["ranks"][0], data["categories"]
@@ -322,18 +342,20 @@ def _estimate(
     labels, stages = when(rank, data["units"])
     after_backward = stages.index("optimizer") - 1  # the sample as the optimizer begins
     step = [r for r, s in zip(rows, stages) if s == "optimizer"]
+    held = [0] * len(rows) if one_memory else _held(rank, host_activations)
+    state = [0.0] * len(rows)  # on the host: offloaded state and gradients landed there
     if split:
         landed = _landed(rank, data["units"], offloaded)
         # the offloaded units' share of the shards, and of the optimizer state (as large as
         # the shards it steps, per element)
         sizes = [u["shard_bytes"] for u in data["units"]]
         share = sum(b for b, o in zip(sizes, offloaded) if o) / max(1, sum(sizes))
-        device = [
-            r["peak"] - share * (r["param_shards"] + r["optimizer"]) - g if s in ("forward", "backward") else 0
-            for r, s, g in zip(rows, stages, landed)
-        ]
-    else:
-        device = [r["peak"] for r in rows]
+        state = [share * (r["param_shards"] + r["optimizer"]) + g for r, g in zip(rows, landed)]
+    device = [
+        r["peak"] - a - h if not split or s in ("forward", "backward") else 0
+        for r, s, a, h in zip(rows, stages, state, held)
+    ]
+    host = max(a + h for a, h in zip(state, held))
     top = max(range(len(rows)), key=device.__getitem__)
     phases = {"shard": shard_bytes[0], "after_shard": shard_bytes[1]}
     for stage in ("forward", "backward", "optimizer"):
@@ -355,10 +377,10 @@ def _estimate(
         gradients=rows[after_backward]["gradients"],
         optimizer=rows[-1]["optimizer"],
         gathered_peak=max(r["gathered"] for r in rows),
-        activations=max(r["activations"] for r in rows),
+        activations=max(r["activations"] - h for r, h in zip(rows, held)),
         peak=int(device[top]),
         peak_at=labels[top],
-        host=max(r["peak"] for r in step) if split else 0,
+        host=int(max(host, *(r["peak"] for r in step)) if split else host),
         comm=_mean_comm(rank["comm"], data["world_size"], data["units"]),
         phases={k: int(v) for k, v in phases.items()},
         settings=settings,
@@ -375,6 +397,21 @@ def _mean_comm(comm: dict, world: int, units: list[dict]) -> dict[str, int]:
         for k, c in comm.items()
         if k != "broadcast"
     }
+
+
+def _held(rank: dict, host: list[int]) -> list[int]:
+    """For each CPU memory sample, the bytes of activations in host memory through the
+    interval it closes: those after the last ``activations`` event before it (Note [host
+    copies] in activations.py)."""
+    times = [e[0] for e in rank["events"] if e[1] == "activations"]
+    assert len(times) == len(host), f"rank 0: {len(times)} activations events, {len(host)} heard"
+    out, k, now = [], 0, 0
+    for sample in rank["memory"]:
+        if sample[1] == "cpu":
+            while k < len(times) and times[k] < sample[0]:
+                now, k = host[k], k + 1
+            out.append(now)
+    return out
 
 
 def _landed(rank: dict, units: list[dict], offloaded: list[bool]) -> list[int]:
@@ -465,8 +502,9 @@ def plan(
 
     budget: bytes or a string such as "24GiB": a per-unit configuration of ``wrap``'s units
     that fits, in the least predicted step time (tools/budget.py: a path from DDP through
-    sharding, then per unit resharding after forward, recomputation and, on a GPU, offload,
-    the cheapest saving per predicted second first, each move planned again). The plan's
+    sharding, then per unit resharding after forward, recomputation and, on a GPU, offload of
+    its state or its activations, the cheapest saving per predicted second first, each move
+    planned again). The plan's
     ``settings`` is what ``shard(model, plan=p)`` applies. The strategy, checkpointing and
     offload are then the search's to choose (a hybrid strategy may be named: the search keeps
     its shard groups).
@@ -554,9 +592,9 @@ def plan(
 
         def run(settings: Settings, checkpointing: bool = False, profile=None) -> Estimate:
             nonlocal optimizer_name
-            data, optimizer_name, shard_bytes = _run(job, settings, checkpointing, profile)
+            data, optimizer_name, shard_bytes, host = _run(job, settings, checkpointing, profile)
             return _estimate(
-                data, shard_bytes, settings,
+                data, shard_bytes, settings, host,
                 checkpointing=checkpointing, precision_name=precision_name, one_memory=one_memory,
             )
 
@@ -665,7 +703,7 @@ def render(p: Plan) -> str:
         ("gathered at most", lambda e: e.gathered_peak),
         ("activations (peak)", lambda e: e.activations),
         ("predicted peak " + ("(CPU)" if p.one_memory else "(device)"), lambda e: e.peak),
-        ("host (cpu offload)", lambda e: e.host),
+        ("host (offload)", lambda e: e.host),
         ("sent per step: all-gather", lambda e: e.comm["all_gather"]),
         ("  reduce-scatter", lambda e: e.comm["reduce_scatter"]),
         ("  all-reduce", lambda e: e.comm["all_reduce"]),
