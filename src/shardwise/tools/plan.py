@@ -43,7 +43,8 @@ from ..scaler import GradScaler
 from ..wrap import Policy
 from . import budget as search
 from .costs import rates as measured_rates
-from .trace import _FakeAllocations, trace, when
+from .allocations import _FakeAllocations
+from .trace import trace, when
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")  # side by side unless one is named
 HYBRID = ("hybrid_shard", "hybrid_shard_grad_op")  # planned when named, with shard_size
