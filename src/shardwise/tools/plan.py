@@ -42,8 +42,8 @@ from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
 from ..scaler import GradScaler
 from ..wrap import Policy
 from . import budget as search
-from .costs import rates as measured_rates
 from .allocations import _FakeAllocations
+from .costs import rates as measured_rates
 from .trace import trace, when
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")  # side by side unless one is named
