@@ -1,11 +1,14 @@
 """Per-unit settings (``UnitConfig``) applied by ``shard(plan=...)``: a plan that mixes them
 trains exactly like one process, and contradictions are refused."""
 
+import dataclasses
+
 import pytest
-from nets import TiedTransformer, train_pair
+from nets import TiedTransformer, counted_steps, train_pair
 
 import shardwise
 from shardwise.policies import Settings, UnitConfig
+from shardwise.tools.accounting import theory_bytes_per_step
 
 BLOCK = shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__)
 MIXED = Settings(
@@ -101,6 +104,24 @@ def applied(settings):
         )
         for u in shardwise.units(model)
     }
+
+
+def gathered_bytes(settings, steps=2) -> tuple[int, int]:
+    """Gather bytes per step: measured, and in theory (``theory_bytes_per_step``)."""
+    model = shardwise.shard(TiedTransformer(), plan=settings)
+    measured = counted_steps(model, steps)["all_gather"].bytes // steps
+    return measured, theory_bytes_per_step(model, settings.strategy)["within"]
+
+
+def test_theory_counts_units_kept_gathered(pools):
+    # blocks.1 kept gathered from forward to backward: one gather less of its parameters,
+    # in theory as measured (the root's gather and padding rows are the same in both runs)
+    resharded = dataclasses.replace(
+        MIXED, units=tuple((n, dataclasses.replace(c, reshard_after_forward=n != "")) for n, c in MIXED.units)
+    )
+    (kept, kept_theory), (all_, all_theory) = (pools(2).run(gathered_bytes, s)[0] for s in (MIXED, resharded))
+    block = sum(p.numel() for p in TiedTransformer().blocks[1].parameters())
+    assert all_ - kept == all_theory - kept_theory == 4 * block // 2 > 0
 
 
 def test_plan_is_applied_as_it_is(pools):

@@ -135,8 +135,10 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
     b_gather = _wire(comm.gather, u.compute_dtype.itemsize, psi)
     b_reduce = _wire(comm.reduce, u.reduce_dtype.itemsize, psi)
     b_across = _wire(comm.replica, u.reduce_dtype.itemsize, psi)
+    kept = _kept_gathered(model) if Sharding.of(strategy).reshard_after_forward else 0
     kinds = theory(
-        strategy, psi, world=r * s, replicas=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across
+        strategy, psi, world=r * s, replicas=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across,
+        root=kept,
     )
     across = int(kinds.pop("replica_all_reduce", 0))
     within = int(sum(kinds.values()))
@@ -150,8 +152,19 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
         "shard": s,
         "psi": psi,
         "b": b_reduce if same else f"{b_gather} (gather), {b_reduce} (reduce)",
-        "note": _NOTES[strategy],
+        "note": _NOTES[strategy] + ("; blocks a plan keeps gathered after forward are gathered once" if kept else ""),
     }
+
+
+def _kept_gathered(model: nn.Module) -> int:
+    """Parameters of the units other than the root that a plan keeps gathered from forward to
+    backward (``UnitConfig.reshard_after_forward``): gathered once a step, not twice."""
+    return sum(
+        slot.numel
+        for u in units(model)
+        if isinstance(u, ShardedUnit) and not u.is_root and not u.reshard_after_forward
+        for slot in u.layout.slots
+    )
 
 
 def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, show: bool = True) -> list[dict]:
