@@ -25,6 +25,14 @@ just before each copy out is allocated and just after a call's host copies are d
 between two events host memory changes only at the start (a copy) or at the end (a drop):
 each traced interval's highest total less the host bytes of the event before it is the
 device's highest (tools/plan.py, ``_held``).
+
+Note [one copy a storage]: autograd often saves several views of one storage (a tensor and
+its transpose, an input saved by two operations, an expanded tensor). A tensor that spans
+its whole storage in no fewer bytes than it has is copied as that storage, flat, and each
+later saved tensor of the same storage (same version and dtype) comes back as a view of that
+copy with its own size, stride and offset: the aliasing autograd saw is kept and the bytes
+are counted once. Any other tensor is copied on its own, so the bytes copied never exceed
+those of copying each saved tensor.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ def is_activation(t: torch.Tensor) -> bool:
     return not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter)
 
 
-class _Saved:
-    """One saved tensor: its host copy and, in backward, its copy back."""
+class _Copy:
+    """One host copy and, in backward, its copy back."""
 
     __slots__ = ("back", "back_done", "host")
 
@@ -55,12 +63,27 @@ class _Saved:
         self.back_done = None  # CUDA: the copy back's event
 
 
+class _Saved:
+    """One saved tensor: the copy it comes back from, and where in it (None: the whole copy)."""
+
+    __slots__ = ("copy", "view")
+
+    def __init__(self, copy: _Copy, view: tuple | None):
+        self.copy = copy
+        self.view = view
+
+    def tensor(self) -> torch.Tensor:
+        back = self.copy.back
+        return back if self.view is None else back.as_strided(*self.view)
+
+
 class _Call:
     """The tensors one forward call of an offloaded module saved, in order."""
 
     def __init__(self, label: str):
         self.label = label
-        self.saved: list[_Saved] = []
+        self.copies: list[_Copy] = []
+        self.storages: dict[tuple, _Copy] = {}  # (Note [one copy a storage])
         self.sources: list[torch.Tensor] = []  # the activations, held until the forward returns
         self.host_bytes = 0  # of its host copies still held
         self.fetched = False
@@ -110,6 +133,23 @@ class Offload:
     def _pack(self, call: _Call, t: torch.Tensor):
         if not is_activation(t):
             return t
+        storage = t.untyped_storage()
+        key = (storage._cdata, 0 if t.is_inference() else t._version, t.dtype)
+        size = t.element_size()
+        view = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        if key in call.storages:
+            return _Saved(call.storages[key], view)
+        whole = storage.nbytes() <= t.numel() * size and storage.nbytes() % size == 0
+        source = t.detach()
+        if whole:  # the whole storage, flat
+            source = source.as_strided((storage.nbytes() // size,), (1,), 0)
+        copy = self._copy_out(call, source)
+        if not whole:
+            return _Saved(copy, None)
+        call.storages[key] = copy
+        return _Saved(copy, view)
+
+    def _copy_out(self, call: _Call, t: torch.Tensor) -> _Copy:
         n = t.numel() * t.element_size()
         self.bytes_out += n
         call.host_bytes += n
@@ -117,15 +157,15 @@ class Offload:
             events.emit("activations", call.label, host=self.on_host)
         host = torch.empty_like(t, device="cpu", pin_memory=self.stream is not None)
         if self.stream is None:
-            host.copy_(t.detach())
+            host.copy_(t)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 1: t is written
             with torch.cuda.stream(self.stream):
-                host.copy_(t.detach(), non_blocking=True)
+                host.copy_(t, non_blocking=True)
         call.sources.append(t)
-        saved = _Saved(host)
-        call.saved.append(saved)
-        return saved
+        copy = _Copy(host)
+        call.copies.append(copy)
+        return copy
 
     # --- backward: back, with the next call's prefetched
     def _unpack(self, call: _Call, saved) -> torch.Tensor:
@@ -136,26 +176,26 @@ class Offload:
             earlier = self._live()  # (the fetched ones are dropped from it)
             if earlier:  # backward reaches the forward call before this one next
                 self._fetch(earlier[-1])
-        if saved.back_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(saved.back_done)  # rule 2
-        return saved.back
+        if saved.copy.back_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(saved.copy.back_done)  # rule 2
+        return saved.tensor()
 
     def _fetch(self, call: _Call) -> None:
         """Copy a forward call's tensors back to the device (on CUDA on the side stream) and
         drop their host copies."""
         call.fetched = True
-        backs = [torch.empty_like(s.host, device=self.device) for s in call.saved]  # on compute
+        backs = [torch.empty_like(c.host, device=self.device) for c in call.copies]  # on compute
         if self.stream is None:
-            for s, back in zip(call.saved, backs):
-                s.back = back.copy_(s.host)
+            for c, back in zip(call.copies, backs):
+                c.back = back.copy_(c.host)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # rule 1: memory free
             with torch.cuda.stream(self.stream):
-                for s, back in zip(call.saved, backs):
-                    s.back = back.copy_(s.host, non_blocking=True)
-                    s.back_done = self.stream.record_event()
-        for s in call.saved:  # (CUDA: the host allocator reuses a pinned block after its copies)
-            s.host = None
+                for c, back in zip(call.copies, backs):
+                    c.back = back.copy_(c.host, non_blocking=True)
+                    c.back_done = self.stream.record_event()
+        for c in call.copies:  # (CUDA: the host allocator reuses a pinned block after its copies)
+            c.host = None
         call.host_bytes = 0
         self.calls = [r for r in self.calls if r() is not None and r() is not call]
         if events.listeners:  # (Note [host copies])
