@@ -98,6 +98,21 @@ def test_gather_is_the_codec_on_every_shard_the_same_on_every_rank(pools, comm):
         assert per_unit and all(all(checks) for checks in per_unit), per_unit
 
 
+def dtype_rows(comm, strategy: str, shard_size=None):
+    model = shardwise.shard(
+        make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy, shard_size=shard_size, comm=comm
+    )
+    return [(r["communication"], r["reduction"]) for r in shardwise.dtype_table(model, show=False)]
+
+
+def test_dtype_table_shows_the_wire_format(pools):
+    assert set(pools(2).run(dtype_rows, "int8", "full_shard")[0]) == {("int8", "int8")}
+    assert set(pools(2).run(dtype_rows, None, "no_shard")[0]) == {("-", "float32")}
+    assert set(pools(2).run(dtype_rows, Comm(reduce="bf16"), "no_shard")[0]) == {("-", "bf16")}
+    hybrid = pools(4).run(dtype_rows, Comm(replica="int8"), "hybrid_shard", 2)[0]
+    assert set(hybrid) == {("float32", "float32 / int8")}
+
+
 # --- reductions: within the bound, at every strategy
 MESHES = {  # strategy -> (world size, shard size)
     "full_shard": (2, None),

@@ -168,8 +168,10 @@ def _kept_gathered(model: nn.Module) -> int:
 
 
 def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, show: bool = True) -> list[dict]:
-    """Per unit: the dtype of storage (shards), compute (gathered), communication (gather),
-    reduction (gradients) and optimizer state. Printed when ``show``; returned as rows."""
+    """Per unit: the dtype of storage (shards), compute (gathered), communication (the gather
+    as it goes on the wire), reduction (gradients: the dtype they are reduced in, or their
+    wire format when ``comm`` encodes them; hybrid's all-reduce across replicas after a ``/``
+    where it differs) and optimizer state. Printed when ``show``; returned as rows."""
     rows = []
     for u in units(model):
         storage = u.flat_shard.dtype if isinstance(u, ShardedUnit) else (u.params[0].dtype if u.params else None)
@@ -182,8 +184,8 @@ def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             "unit": u.label,
             "storage": _short(storage),
             "compute": _short(u.compute_dtype),
-            "communication": _short(u.compute_dtype) if isinstance(u, ShardedUnit) else "-",
-            "reduction": _short(u.reduce_dtype),
+            "communication": _on_wire(u.gather_codec, u.compute_dtype) if isinstance(u, ShardedUnit) else "-",
+            "reduction": _reduction(u),
             "optimizer_state": ",".join(sorted(_short(d) for d in state)) or _short(storage),
         })
     if show and rows:
@@ -197,3 +199,15 @@ def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 def _short(dtype: torch.dtype | None) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else "-"
+
+
+def _on_wire(codec: Codec | None, dtype: torch.dtype) -> str:
+    return codec.name if codec is not None else _short(dtype)
+
+
+def _reduction(u) -> str:
+    within = _on_wire(u.reduce_codec, u.reduce_dtype)
+    if getattr(u, "replicas", 1) == 1:
+        return within
+    across = _on_wire(u.replica_codec, u.reduce_dtype)
+    return within if across == within else f"{within} / {across}"
