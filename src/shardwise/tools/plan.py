@@ -331,11 +331,12 @@ def _estimate(
     one_memory: bool,
 ) -> Estimate:
     """The estimate read off a traced step (rank 0's record; see the module doc). With
-    offload on a GPU the host holds the offloaded units' shards and optimizer state, and the
-    step's gradients and temporaries; the device what forward and backward add. Offloaded
-    activations are on the host from their copy out to their copy back (``host_activations``:
-    the bytes there after each ``activations`` event). On a CPU run both are one memory, and
-    the peak is all of it (Note [one memory])."""
+    offload on a GPU the host holds the offloaded units' shards, optimizer state and landed
+    gradients; the device the rest, with the optimizer step's temporaries where any unit
+    steps there (all of them: an upper bound, as which are made on the host depends on the
+    optimizer's implementation). Offloaded activations are on the host from their copy out to
+    their copy back (``host_activations``: the bytes there after each ``activations`` event).
+    On a CPU run both are one memory, and the peak is all of it (Note [one memory])."""
     offloaded = [c.offload for _, c in settings.units]  # (in the runtime's order of units)
     split = any(offloaded) and not one_memory  # host and device apart
     rank, cats = data["ranks"][0], data["categories"]
@@ -352,8 +353,10 @@ def _estimate(
         sizes = [u["shard_bytes"] for u in data["units"]]
         share = sum(b for b, o in zip(sizes, offloaded) if o) / max(1, sum(sizes))
         state = [share * (r["param_shards"] + r["optimizer"]) + g for r, g in zip(rows, landed)]
+    # the optimizer step's temporaries are the device's unless every unit steps on the host
+    on_host = split and all(offloaded)
     device = [
-        r["peak"] - a - h if not split or s in ("forward", "backward") else 0
+        r["peak"] - a - h - (r["peak"] - sum(r[c] for c in cats) if on_host and s == "optimizer" else 0)
         for r, s, a, h in zip(rows, stages, state, held)
     ]
     host = max(a + h for a, h in zip(state, held))
@@ -361,8 +364,6 @@ def _estimate(
     phases = {"shard": shard_bytes[0], "after_shard": shard_bytes[1]}
     for stage in ("forward", "backward", "optimizer"):
         phases[stage] = max((d for d, s in zip(device, stages) if s == stage), default=0)
-    if split:
-        phases["optimizer"] = max(r["peak"] for r in step)
     return Estimate(
         strategy=settings.strategy,
         wrap=_policy_name(settings.wrap) if settings.strategy != "no_shard" else "-",
