@@ -223,6 +223,27 @@ def test_activation_offload_chosen_on_two_memories(pools, monkeypatch, name):
     assert abs(e.peak - real["device"]) <= 0.03 * real["device"], (e.peak, real["device"])
 
 
+@pytest.mark.parametrize("name", ["gpt", "mha"])
+def test_activation_offload_never_raises_the_device_peak(pools, name):
+    """Offloading the last block's activations, whose backward is the peak, saves nothing
+    there, and costs nothing either: its copies back are freed one by one as its backward uses
+    them, as the originals are (they were held to the end of the call's backward, 0.565 MiB
+    over the peak without offload on the GPT). Measured on a real step, predicted within 3%."""
+    build, block, _, _ = MODELS[name]
+    names = ["blocks.0", "blocks.1", "blocks.2", ""]
+
+    def settings(offloaded):
+        units = tuple(
+            (n, UnitConfig(reshard_after_forward=n != "", offload_activations=n in offloaded)) for n in names
+        )
+        return Settings("full_shard", shardwise.wrap.by_class(block), units)
+
+    none, last = (pools(1).run(measure_device, name, settings(w))[0]["device"] for w in ((), ("blocks.2",)))
+    e, _ = planned_settings(name, settings(("blocks.2",)))
+    assert last <= none, (last, none)
+    assert abs(e.peak - last) <= 0.03 * last, (e.peak, last)
+
+
 # --- state offload of some units on two memories: the optimizer step runs on both
 @pytest.mark.parametrize("offloaded", [("layers.3",), ("layers.2", "layers.3")])
 def test_partial_state_offload_counts_the_optimizer_step_on_the_device(pools, offloaded):

@@ -8,7 +8,8 @@ forward no longer uses them. In backward the copies come back: when autograd fir
 one of a forward call's tensors, all of that call's tensors and those of the call that
 backward reaches next are copied back and their host copies dropped, so that the next unit's
 copy overlaps this one's compute (PyTorch's ``save_on_cpu`` copies one tensor at a time, when
-asked).
+asked). A copy back is freed as soon as autograd has used the saved tensors that come back
+from it, as the originals would be without offload.
 
 On CUDA the copies run on one side stream under the rules of Note [stream ordering]
 (streams.py): the side stream waits for compute before it reads an activation or writes a
@@ -196,6 +197,10 @@ class Offload:
                     c.back_done = self.stream.record_event()
         for c in call.copies:  # (CUDA: the host allocator reuses a pinned block after its copies)
             c.host = None
+        # from here each copy back lives as long as the saved tensors that come back from it:
+        # autograd frees them one by one as the call's backward uses them, as it frees the
+        # originals when nothing is offloaded
+        call.copies, call.storages = [], {}
         call.host_bytes = 0
         self.calls = [r for r in self.calls if r() is not None and r() is not call]
         if events.listeners:  # (Note [host copies])
