@@ -63,6 +63,13 @@ class _Copy:
         self.back: torch.Tensor | None = None
         self.back_done = None  # CUDA: the copy back's event
 
+    def __del__(self):
+        # rule 3 of Note [stream ordering]: the copy back (allocated on compute, written on the
+        # side stream) is freed only after compute waits for its copy, even when autograd
+        # drops it unused (a graph released mid-backward)
+        if self.back_done is not None:
+            torch.cuda.current_stream(self.back.device).wait_event(self.back_done)
+
 
 class _Saved:
     """One saved tensor: the copy it comes back from, and where in it (None: the whole copy)."""
