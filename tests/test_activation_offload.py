@@ -20,14 +20,14 @@ class SavesViews(torch.autograd.Function):
         b = a * 2  # 8 x 6
         c = a * 3
         small = a[0] * 5  # 6 elements, expanded below
-        ctx.save_for_backward(b.t(), b, b[1:], b[:1].expand_as(b), c[:1], small.expand(8, 6))
+        ctx.save_for_backward(b.t(), b, b[1:], b[:1].expand_as(b), c[:1], small.expand(8, 6), c[:1])
         return a * b
 
     @staticmethod
     def backward(ctx, g):
-        bt, b, tail, first, c_row, wide = ctx.saved_tensors
+        bt, b, tail, first, c_row, wide, c_again = ctx.saved_tensors
         assert bt.stride() == (1, 6) and first.stride() == (0, 1) and wide.stride() == (0, 1)
-        out = g * (bt.t() + b) + c_row * first + wide
+        out = g * (bt.t() + b) + c_row * first + wide + c_again
         out[1:] += tail
         return out
 
@@ -52,7 +52,8 @@ def test_views_of_one_storage_are_copied_once():
     SavesViews.apply(a_ref).square().sum().backward()
     assert torch.equal(a.grad, a_ref.grad)
     # b once (its transpose, tail and expanded first row are views of that copy); c's first row
-    # alone (a copy of c would be 8x larger); small as its 6 elements, not the 48 of its expand
+    # alone (a copy of c would be 8x larger), once though saved twice; small as its 6
+    # elements, not the 48 of its expand
     assert offload.bytes_out == (48 + 6 + 6) * 4
     assert offload.on_host == 0  # all dropped once backward fetched them
 

@@ -32,8 +32,8 @@ its transpose, an input saved by two operations, an expanded tensor). A tensor t
 its whole storage in no fewer bytes than it has is copied as that storage, flat, and each
 later saved tensor of the same storage (same version and dtype) comes back as a view of that
 copy with its own size, stride and offset: the aliasing autograd saw is kept and the bytes
-are counted once. Any other tensor is copied on its own, so the bytes copied never exceed
-those of copying each saved tensor.
+are counted once. Any other tensor is copied on its own (once, if the same view of its
+storage is saved again), so the bytes copied never exceed those of copying each saved tensor.
 """
 
 from __future__ import annotations
@@ -147,12 +147,15 @@ class Offload:
         view = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
         if key in call.storages:
             return _Saved(call.storages[key], view)
+        if (key, view) in call.storages:  # the same part of a larger storage, saved again
+            return _Saved(call.storages[key, view], None)
         whole = storage.nbytes() <= t.numel() * size and storage.nbytes() % size == 0
         source = t.detach()
         if whole:  # the whole storage, flat
             source = source.as_strided((storage.nbytes() // size,), (1,), 0)
         copy = self._copy_out(call, source)
         if not whole:
+            call.storages[key, view] = copy
             return _Saved(copy, None)
         call.storages[key] = copy
         return _Saved(copy, view)
