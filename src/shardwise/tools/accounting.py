@@ -205,9 +205,9 @@ def _on_wire(codec: Codec | None, dtype: torch.dtype) -> str:
     return codec.name if codec is not None else _short(dtype)
 
 
-def _reduction(u) -> str:
+def _reduction(u: ReplicatedUnit | ShardedUnit) -> str:
     within = _on_wire(u.reduce_codec, u.reduce_dtype)
-    if getattr(u, "replicas", 1) == 1:
+    if not isinstance(u, ShardedUnit) or u.replicas == 1:
         return within
     across = _on_wire(u.replica_codec, u.reduce_dtype)
     return within if across == within else f"{within} / {across}"

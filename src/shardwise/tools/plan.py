@@ -346,6 +346,7 @@ def _estimate(
     step = [r for r, s in zip(rows, stages) if s == "optimizer"]
     held = [0] * len(rows) if one_memory else _held(rank, host_activations)
     state = [0.0] * len(rows)  # on the host: offloaded state and gradients landed there
+    share = 0.0  # of the shards' bytes, offloaded
     if split:
         landed = _landed(rank, data["units"], offloaded)
         # the offloaded units' share of the shards, and of the optimizer state (as large as
@@ -353,10 +354,9 @@ def _estimate(
         sizes = [u["shard_bytes"] for u in data["units"]]
         share = sum(b for b, o in zip(sizes, offloaded) if o) / max(1, sum(sizes))
         state = [share * (r["param_shards"] + r["optimizer"]) + g for r, g in zip(rows, landed)]
-    # the optimizer step's temporaries are the device's unless every unit steps on the host
-    on_host = split and all(offloaded)
+    # the optimizer step's temporaries are the device's unless all the state steps on the host
     device = [
-        r["peak"] - a - h - (r["peak"] - sum(r[c] for c in cats) if on_host and s == "optimizer" else 0)
+        r["peak"] - a - h - (r["peak"] - sum(r[c] for c in cats) if share == 1 and s == "optimizer" else 0)
         for r, s, a, h in zip(rows, stages, state, held)
     ]
     host = max(a + h for a, h in zip(state, held))
