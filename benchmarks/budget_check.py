@@ -4,7 +4,7 @@
     python benchmarks/budget_check.py /tmp/bc --cpu          # two CPU ranks, Gloo
 
 The small GPT, fp32, AdamW; on the GPU 8 x 1024 tokens, on CPU 4 x 64 tokens per rank.
-1. The planner's path (tools/budget.py): on the GPU with offload of units' state and of their
+1. The planner's path (planner/budget.py): on the GPU with offload of units' state and of their
    activations as moves (two memories), on CPU without (one memory).
 2. A sweep of five budgets from the smallest feasible to DDP's: the chosen configuration is
    applied by ``shard(plan=...)`` and its peak over a steady-state step measured (the
@@ -38,8 +38,8 @@ import shardwise
 from shardwise import groups
 from shardwise.models import GPT, Block, gpt_config
 from shardwise.policies import Settings, UnitConfig
-from shardwise.tools import budget as search
-from shardwise.tools import plan as P
+from shardwise.planner import budget as search
+from shardwise.planner import plan as P
 
 STEPS = 6  # timed steps after two warm-up steps
 
@@ -49,7 +49,7 @@ def measure(settings: Settings, cuda: bool, cfg, batch: int) -> dict:
     peak under MemTracker, over the second step)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from shardwise.tools.accounting import kept_buckets
+    from shardwise.observer.accounting import kept_buckets
 
     torch.manual_seed(0)
     with torch.device("meta"):

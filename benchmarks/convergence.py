@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from shardwise import groups, train
-from shardwise.tools import charts
+from shardwise.observer import charts
 
 COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c"}
 

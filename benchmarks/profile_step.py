@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from shardwise import groups
-from shardwise.tools import bench
+from shardwise.bench import harness as bench
 
 
 def main() -> None:

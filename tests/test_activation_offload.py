@@ -1,5 +1,5 @@
 """Activation offload's host copies: one copy per storage autograd saves views of (Note [one
-copy a storage] in activations.py), never more bytes than a copy per saved tensor, and
+copy a storage] in activation_offload.py), never more bytes than a copy per saved tensor, and
 gradients bitwise those of the module that keeps its activations. One process, no group."""
 
 import copy
@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from shardwise.activations import Offload, is_activation
+from shardwise.activation_offload import Offload, is_activation
 from shardwise.models.gpt import GPT, gpt_config
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from shardwise.tools import bench
+from shardwise.bench import harness as bench
 
 
 def test_bench_runs_every_system(pools, tmp_path):

@@ -19,10 +19,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardwise
 from shardwise.policies import MixedPrecision, Settings, UnitConfig
-from shardwise.tools import budget as search
-from shardwise.tools import plan as P
-from shardwise.tools.accounting import kept_buckets
-from shardwise.tools.costs import Rates
+from shardwise.planner import budget as search
+from shardwise.planner import plan as P
+from shardwise.observer.accounting import kept_buckets
+from shardwise.planner.costs import Rates
 
 WORLD = 2
 SWEEP = 5  # budgets from the smallest feasible peak to DDP's
@@ -126,7 +126,7 @@ def planned_settings(name: str, settings) -> tuple[P.Estimate, int]:
 
 class DeviceTracker(MemTracker):
     """torch's MemTracker, and at every operator its total less what a GPU run keeps in host
-    memory: the activations' host copies (activations.py counts them) and the offloaded units'
+    memory: the activations' host copies (activation_offload.py counts them) and the offloaded units'
     shards, their gradients and their optimizer state (read from the tensors)."""
 
     def __init__(self, model, opt):

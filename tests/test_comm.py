@@ -14,7 +14,7 @@ from nets import batch, counted_steps, global_mean, local_slice, loss_of, make, 
 
 import shardwise
 from shardwise import Comm, ShardwiseError
-from shardwise.quantize import BLOCK, Codec
+from shardwise.codecs import BLOCK, Codec
 
 
 # --- the codecs, without any group

@@ -24,7 +24,7 @@ from nets import (
 
 import shardwise
 from shardwise.placement import choose_owners
-from shardwise.tools.bench_optim import fp32_newton_schulz, orthogonalized
+from shardwise.bench.optimizers import fp32_newton_schulz, orthogonalized
 
 
 # --- models with matrices the nets do not have: a weight tied inside a unit, stacked experts

@@ -2,7 +2,7 @@
 bounds of each phase of a step (as PyTorch's FSDP2 memory test states them), the budget
 choice, the command, and planning from inside a process that has a process group.
 
-The planner runs shardwise's own runtime on fake tensors (tools/plan.py), so the checks here
+The planner runs shardwise's own runtime on fake tensors (planner/plan.py), so the checks here
 are against what real runs measure with a tool that is not shardwise's: MemTracker.
 """
 
@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
-from shardwise.tools import budget as search
-from shardwise.tools import plan as P
-from shardwise.tools import trace as T
-from shardwise.tools.accounting import kept_buckets
+from shardwise.planner import budget as search
+from shardwise.planner import plan as P
+from shardwise.observer import trace as T
+from shardwise.observer.accounting import kept_buckets
 
 # models small enough for CPU tests, big enough that model state and activations are both
 # megabytes: the built-in GPT, an MLP stack, and a GPT of stock torch modules the planner

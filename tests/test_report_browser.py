@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.tools import report
-from shardwise.tools.trace import trace
+from shardwise.observer import report
+from shardwise.observer.trace import trace
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(

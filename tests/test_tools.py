@@ -16,9 +16,9 @@ import torch.distributed as dist
 import shardwise
 from shardwise import events
 from shardwise.models import GPT, Block, gpt_config
-from shardwise.tools import report
-from shardwise.tools import trace as T
-from shardwise.tools.accounting import kept_buckets
+from shardwise.observer import report
+from shardwise.observer import trace as T
+from shardwise.observer.accounting import kept_buckets
 
 # a built-in GPT small enough for CPU tests, big enough that model state and activations
 # are both megabytes

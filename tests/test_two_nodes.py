@@ -1,4 +1,4 @@
-"""Two nodes joined by a real, shaped link (shardwise.tools.netns): two network namespaces and
+"""Two nodes joined by a real, shaped link (shardwise.bench.netns): two network namespaces and
 a veth pair at 100 Mbit/s, a torchrun agent in each with c10d rendezvous across the link, Gloo
 bound to the veth. hybrid_shard trains across it (one rank per node: the nodes are replicas),
 exactly and with int8 on the link; cross-node bytes equal the theory. Skips, saying why, where
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.tools import netns
+from shardwise.bench import netns
 
 HERE = Path(__file__).resolve().parent
 WHY = netns.unavailable()

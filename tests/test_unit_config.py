@@ -8,7 +8,7 @@ from nets import TiedTransformer, counted_steps, train_pair
 
 import shardwise
 from shardwise.policies import Settings, UnitConfig
-from shardwise.tools.accounting import theory_bytes_per_step
+from shardwise.observer.accounting import theory_bytes_per_step
 
 BLOCK = shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__)
 MIXED = Settings(

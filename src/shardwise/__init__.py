@@ -31,15 +31,15 @@ from .checkpoint import (
     save,
     save_pretrained,
 )
-from .checkpointing import checkpoint_activations
+from .recompute import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
 from .groups import init
 from .policies import Comm, MixedPrecision, Settings, UnitConfig
 from .scaler import GradScaler
-from .tools.accounting import dtype_table, held_bytes
-from .tools.plan import plan
-from .tools.trace import trace
+from .observer.accounting import dtype_table, held_bytes
+from .planner.plan import plan
+from .observer.trace import trace
 
 __all__ = [
     "init",

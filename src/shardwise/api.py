@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import collectives as C
 from . import flight, groups, streams
 from . import placement as placements
-from .activations import offload_activations
+from .activation_offload import offload_activations
 from .build import (
     UnitPlan,
     assign_params,
@@ -31,7 +31,7 @@ from .build import (
     materialize,
     select_units,
 )
-from .checkpointing import checkpoint_activations
+from .recompute import checkpoint_activations
 from .errors import ShardwiseError
 from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
 from .runtime import Phase, Runtime, require_idle, runtime_of

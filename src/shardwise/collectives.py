@@ -22,7 +22,7 @@ two units' collectives: with equal sizes that sums the wrong tensors silently, a
 aborts the process that receives a larger message than it expects. Reductions may also
 come in a different order on different ranks (a unit whose backward runs later on one rank).
 
-Note [wire precision]: with a codec (shardwise.quantize; the unit's ``Comm`` policy) a message
+Note [wire precision]: with a codec (shardwise.codecs; the unit's ``Comm`` policy) a message
 is encoded just before it leaves and decoded just after it arrives; whatever stays on a rank is
 never encoded, except where ranks must agree. A gather hands out every rank's shard decoded,
 this rank's own too, so every rank computes on the same full parameters. A reduce-scatter
@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import events, flight, groups
-from .quantize import Codec
+from .codecs import Codec
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -5,7 +5,7 @@ Events (``name``, ``unit`` label, fields): ``forward`` / ``backward`` with ``edg
 ``reduce_issue`` / ``reduce_done`` (``bytes``), ``collective`` (``kind``, ``bytes``,
 ``t_issue``, ``wait_s``: emitted when a collective completes), ``step_end``, and
 ``activations`` (``host``: bytes of offloaded activations in host memory from here on; Note
-[host copies] in activations.py). Every event
+[host copies] in activation_offload.py). Every event
 carries ``t`` (time.perf_counter() seconds). The check ``if listeners`` is all it costs when off.
 """
 

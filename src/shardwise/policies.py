@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from .errors import ShardwiseError
-from .quantize import FORMATS as WIRE_FORMATS
+from .codecs import FORMATS as WIRE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class MixedPrecision:
 @dataclass(frozen=True)
 class Comm:
     """Precision on the wire, per collective: what a message is encoded in just before it
-    leaves a rank and decoded from just after it arrives (shardwise.quantize). Master weights,
+    leaves a rank and decoded from just after it arrives (shardwise.codecs). Master weights,
     gradients as they land and optimizer state keep their dtype; sums are taken in fp32.
 
     gather: the parameters' all-gather. Every rank, the shard's own one included, computes on
@@ -152,7 +152,7 @@ class UnitConfig:
     offload: the unit's parameter shards, their gradients and so its optimizer state live in
     host memory (``cpu_offload`` for this unit alone).
     offload_activations: the activations the unit's forward saves for backward wait in host
-    memory, and come back ahead of its backward (activations.py); not with checkpointing.
+    memory, and come back ahead of its backward (activation_offload.py); not with checkpointing.
     """
 
     reshard_after_forward: bool = True

@@ -218,7 +218,7 @@ class Runtime:
         self.pending_backwards: dict[Unit, int] = {}  # forward calls whose backward has not ended
         self.ran_since_sync: set[Unit] = set()
         self.host_group = host_group  # the side group of the step check (collectives.step_check)
-        self.activations = None  # an activations.Offload where a unit offloads its activations
+        self.activations = None  # an activation_offload.Offload where a unit offloads its activations
         self.check_buffer: torch.Tensor | None = None
         for unit in units:
             self._register(unit)

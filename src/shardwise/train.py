@@ -30,15 +30,15 @@ import torch.distributed as dist
 
 from . import api, checkpoint, groups
 from . import collectives as C
-from .checkpointing import checkpoint_activations
+from .recompute import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings
 from .runtime import runtime_of
 from .scaler import GradScaler
-from .tools import charts, report
-from .tools.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
-from .tools.plan import plan
-from .tools.trace import trace
+from .observer import charts, report
+from .observer.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
+from .planner.plan import plan
+from .observer.trace import trace
 from .wrap import by_class, by_size
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime import _tensors
-from . import accounting
+from ..observer import accounting
 
 
 class CommCounter(TorchDispatchMode):

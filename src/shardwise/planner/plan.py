@@ -32,19 +32,19 @@ import torch.nn as nn
 
 from .. import collectives, events, groups
 from .. import placement as placements
-from ..activations import is_activation
+from ..activation_offload import is_activation
 from ..api import shard
 from ..build import select_units
-from ..checkpointing import checkpoint_activations
+from ..recompute import checkpoint_activations
 from ..errors import ShardwiseError
 from ..placement import Placement
 from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
 from ..scaler import GradScaler
 from ..wrap import Policy
 from . import budget as search
-from .allocations import _FakeAllocations
+from ..observer.allocations import _FakeAllocations
 from .costs import rates as measured_rates
-from .trace import trace, when
+from ..observer.trace import trace, when
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")  # side by side unless one is named
 HYBRID = ("hybrid_shard", "hybrid_shard_grad_op")  # planned when named, with shard_size
@@ -114,7 +114,7 @@ class Estimate:
 
 @dataclass
 class Plan:
-    """Estimates side by side; with a budget, the search's path (tools/budget.py), the
+    """Estimates side by side; with a budget, the search's path (planner/budget.py), the
     fastest configuration on it that fits, and why."""
 
     estimates: list[Estimate]
@@ -210,7 +210,7 @@ def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Pro
     modules), take a step, trace the next: the trace, the optimizer's name, shard()'s own
     peak and final bytes (its log, as the tracer keeps one) and the bytes of activations in
     host memory after each ``activations`` event of the trace (Note [host copies] in
-    activations.py). A ``profile`` given gets the units' forward FLOPs and saved activations
+    activation_offload.py). A ``profile`` given gets the units' forward FLOPs and saved activations
     from the first step."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when planning
 
@@ -312,7 +312,7 @@ def _peak_and_end(entries: list[tuple[int, int, int, int]]) -> tuple[int, int]:
 # estimate's peak then counts all of it, host and device together, and a budget never tries
 # offload there (ONE_MEMORY says why). Under NCCL they are two memories: the device peak leaves
 # out what offload keeps on the host (the state's share, landed gradients, and the activations'
-# host copies, Note [host copies] in activations.py), and ``host`` counts it.
+# host copies, Note [host copies] in activation_offload.py), and ``host`` counts it.
 ONE_MEMORY = (
     "on CPU (gloo) host and device are one memory: offload of state or of activations moves "
     "bytes within it and saves nothing, so the peak counts both and a budget never chooses "
@@ -404,7 +404,7 @@ def _mean_comm(comm: dict, world: int, units: list[dict]) -> dict[str, int]:
 def _held(rank: dict, host: list[int]) -> list[int]:
     """For each CPU memory sample, the bytes of activations in host memory through the
     interval it closes: those after the last ``activations`` event before it (Note [host
-    copies] in activations.py)."""
+    copies] in activation_offload.py)."""
     times = [e[0] for e in rank["events"] if e[1] == "activations"]
     assert len(times) == len(host), f"rank 0: {len(times)} activations events, {len(host)} heard"
     out, k, now = [], 0, 0
@@ -503,7 +503,7 @@ def plan(
     CUDA is available, else gloo, as ``shardwise.init`` picks); they lay buffers out differently.
 
     budget: bytes or a string such as "24GiB": a per-unit configuration of ``wrap``'s units
-    that fits, in the least predicted step time (tools/budget.py: a path from DDP through
+    that fits, in the least predicted step time (planner/budget.py: a path from DDP through
     sharding, then per unit resharding after forward, recomputation and, on a GPU, offload of
     its state or its activations, the cheapest saving per predicted second first, each move
     planned again). The plan's
@@ -738,7 +738,7 @@ def render(p: Plan) -> str:
     if p.one_memory and (p.budget is not None or any(c.cpu_offload for c in cols)):
         lines.append(ONE_MEMORY + ".")
     if p.budget is not None:
-        lines += ["", "the search's path, fastest first (tools/budget.py):"]
+        lines += ["", "the search's path, fastest first (planner/budget.py):"]
         lines += [f"  {i}. {s.why}" for i, s in enumerate(p.path)]
         if p.dropped:
             lines.append("  dropped: " + "; ".join(p.dropped))

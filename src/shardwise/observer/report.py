@@ -208,7 +208,7 @@ def _title(data: dict) -> str:
 
 def render(view: dict) -> str:
     """The page: the template with the view inlined as JSON."""
-    template = resources.files("shardwise.tools").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    template = resources.files("shardwise.observer").joinpath(TEMPLATE).read_text(encoding="utf-8")
     payload = json.dumps(view, separators=(",", ":")).replace("</", "<\\/")
     return template.replace("/*__SHARDWISE_DATA__*/null", payload)
 

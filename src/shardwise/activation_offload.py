@@ -25,7 +25,7 @@ An ``activations`` event (``host``: the bytes of host copies held from here on) 
 just before each copy out is allocated and just after a call's host copies are dropped, so
 between two events host memory changes only at the start (a copy) or at the end (a drop):
 each traced interval's highest total less the host bytes of the event before it is the
-device's highest (tools/plan.py, ``_held``).
+device's highest (planner/plan.py, ``_held``).
 
 Note [one copy a storage]: autograd often saves several views of one storage (a tensor and
 its transpose, an input saved by two operations, an expanded tensor). A tensor that spans

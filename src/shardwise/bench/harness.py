@@ -45,11 +45,13 @@ from torch import nn
 
 from .. import groups
 from ..policies import Comm
-from ..quantize import FORMATS as WIRE_FORMATS
-from ..quantize import Codec
-from . import bench_counts, charts, machine
-from .accounting import theory
-from .bench_optim import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
+from ..codecs import FORMATS as WIRE_FORMATS
+from ..codecs import Codec
+from . import counts as bench_counts
+from . import machine
+from ..observer import charts
+from ..observer.accounting import theory
+from .optimizers import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
     "floor",
@@ -71,7 +73,7 @@ HYBRID_SYSTEMS = (
 # --optimizer muon: Muon on the blocks' matrices (owned; FSDP2's DTensors), and rows + AdamW
 MUON_SYSTEMS = ("fsdp2/full_shard", "shardwise/full_shard+owned", "shardwise/full_shard")
 KNOWN = SYSTEMS + HYBRID_SYSTEMS
-# --nodes 2: across the shaped link between two namespaces (shardwise.tools.netns); a
+# --nodes 2: across the shaped link between two namespaces (shardwise.bench.netns); a
 # shardwise system may name its precision on the wire after a "+" (shardwise.Comm shorthands)
 TWO_NODE_SYSTEMS = (
     "floor",

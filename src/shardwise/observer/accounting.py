@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..api import units
 from ..collectives import step_check_nbytes
 from ..policies import Sharding
-from ..quantize import Codec
+from ..codecs import Codec
 from ..runtime import runtime_of
 from ..unit import ReplicatedUnit, ShardedUnit
 
