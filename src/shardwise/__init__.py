@@ -81,3 +81,12 @@ __all__ = [
     "CollectiveError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``shardwise.ft`` (fault tolerance on torchft, the ``[ft]`` extra) is imported on first use."""
+    if name == "ft":
+        import importlib
+
+        return importlib.import_module(".ft", __name__)
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

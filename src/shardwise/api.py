@@ -33,6 +33,7 @@ from .build import (
 )
 from .recompute import checkpoint_activations
 from .errors import ShardwiseError
+from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
 from .runtime import Phase, Runtime, require_idle, runtime_of
 from .unit import ReplicatedUnit, ShardedUnit, Unit, shard_param
@@ -57,6 +58,7 @@ def shard(
     placement: placements.Placement | None = None,
     comm: Comm | str | None = None,
     plan: Settings | None = None,
+    fault_tolerance: ReplicaGroups | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``group`` (default: the world); return it.
 
@@ -101,6 +103,10 @@ def shard(
     init_from: a standard safetensors model (a ``model.safetensors`` file, a Hugging Face
     index, or a directory holding either) whose values replace the initial ones, each rank
     reading only its rows (``shardwise.load_full``).
+
+    fault_tolerance: replica groups outside this job that train the same model rank for rank
+    (``shardwise.ft.Torchft``, or any ``outer.ReplicaGroups``): each unit's gradient shard is
+    averaged across the groups taking part in the step once the job's own reduction is done.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
@@ -119,6 +125,12 @@ def shard(
             )
     precision = MixedPrecision.of(mixed_precision)
     wire = Comm.of(comm)
+    if fault_tolerance is not None and not isinstance(fault_tolerance, ReplicaGroups):
+        raise ShardwiseError(
+            f"fault_tolerance={type(fault_tolerance).__name__} is not replica groups: pass a "
+            "shardwise.ft.Torchft(lighthouse=..., replica_id=...) (or an object with attach, "
+            "all_reduce and size: shardwise.outer.ReplicaGroups)"
+        )
     plans = select_units(module, wrap)
     configs = [
         settings.of(p.name) if settings else UnitConfig(sharding.reshard_after_forward, "none", cpu_offload)
@@ -185,7 +197,7 @@ def shard(
                 ShardedUnit(
                     up.module, up.name, up.registrations, group, lay, flat, rg,
                     device=device, precision=precision, offload=config.offload, streams=side_streams,
-                    replicate=layout_mesh.replicate, comm=wire,
+                    replicate=layout_mesh.replicate, comm=wire, outer=fault_tolerance,
                     reshard_after_forward=config.reshard_after_forward and not up.is_root,
                 )
             )
@@ -197,14 +209,15 @@ def shard(
                 r.module._parameters[r.attr] = params[r.index]
             units.append(
                 ReplicatedUnit(
-                    up.module, up.name, up.registrations, group, params, precision=precision, comm=wire
+                    up.module, up.name, up.registrations, group, params, precision=precision, comm=wire,
+                    outer=fault_tolerance,
                 )
             )
         for r in up.registrations:
             _retire(up.params[r.index], r.fqn)
     module._shardwise = rt = Runtime(
         module, units, strategy or "full_shard", sharding, layout_mesh, max_unsharded, precision,
-        groups.host_group(whole), wire,
+        groups.host_group(whole), wire, fault_tolerance,
     )
     for u in units:
         for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
@@ -221,6 +234,8 @@ def shard(
         from .checkpoint import load_full  # checkpoint builds on this module
 
         load_full(module, init_from)
+    if fault_tolerance is not None:
+        fault_tolerance.attach(module)
     return module
 
 

@@ -61,13 +61,18 @@ import torch.nn.functional as F
 
 from . import events, flight, groups
 from .codecs import Codec
+from .errors import ShardwiseError
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "broadcast", "step_check")
+# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
+# outer_all_reduce: the one across replica groups outside the job (outer.py)
+KINDS = (
+    "all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "outer_all_reduce", "broadcast",
+    "step_check",
+)
 
 
 @dataclass
@@ -127,6 +132,8 @@ class Pending:
             for work in self.works:
                 work.wait()
             work = None  # (it holds its buffers: they go with the works, before the event)
+        except ShardwiseError:  # named already (replica groups outside the job: outer.py)
+            raise
         except Exception as exc:  # Gloo raises on peer death and on timeout
             raise flight.diagnose(self.record, _cause(exc)) from exc
         self.record.done = True
@@ -164,7 +171,7 @@ def _issue(
     t0 = time.perf_counter()
     try:
         issued = start()
-    except torch.OutOfMemoryError:  # its buffers, not the collective: the step fails as it is
+    except (torch.OutOfMemoryError, ShardwiseError):  # its buffers, or named already: as it is
         raise
     except Exception as exc:
         raise flight.diagnose(record, _cause(exc)) from exc
@@ -440,6 +447,21 @@ def all_reduce(
     return _issue(
         kind, label, nbytes, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), numel=numel
     )
+
+
+def outer_all_reduce(tensor: torch.Tensor, replica_groups, label: str, numel: int | None = None) -> Pending:
+    """Average ``tensor`` in place over the replica groups outside the job that take part in
+    this step (``outer.ReplicaGroups``), asynchronously; booked as ``outer_all_reduce``, a
+    ring's 2 (P-1)/P of the tensor for P groups. ``numel`` is what the flight record notes
+    where the job's ranks reduce other sizes (owned parameters)."""
+    nbytes = tensor.numel() * tensor.element_size()
+
+    def start():
+        work = replica_groups.all_reduce(tensor)
+        _book("outer_all_reduce", nbytes, max(1, replica_groups.size()), factor=2)
+        return work
+
+    return _issue("outer_all_reduce", label, nbytes, tensor, start, numel=numel)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:

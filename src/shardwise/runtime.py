@@ -32,6 +32,7 @@ from . import collectives as C
 from . import events
 from .errors import ShardwiseError
 from .groups import Mesh
+from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Sharding
 from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
 
@@ -183,6 +184,7 @@ class Runtime:
         precision: MixedPrecision,
         host_group,
         comm: Comm,
+        outer: ReplicaGroups | None = None,
     ):
         self.root = root
         self.precision = precision
@@ -192,6 +194,9 @@ class Runtime:
         self.strategy = strategy  # its name, for tools and checkpoints
         self.sharding = sharding  # what it means
         self.mesh = mesh
+        self.outer = outer  # replica groups outside the job (outer.py), whose units reduce across them
+        # all-reduces that follow a unit's reduce-scatter: one unit's reduction in flight per each
+        self._all_reduces_after_scatter = int(sharding.hybrid) + int(outer is not None)
         self.max_unsharded = max_unsharded
         self.sync_grads = True
         self.phase = Phase.IDLE
@@ -389,11 +394,13 @@ class Runtime:
         issued before it moves on first: its reduce-scatter is finished, so its scratch rows
         go before this one's are allocated (rather than every unit's staying to the end of
         backward), and, with hybrid sharding, its all-reduce across replicas is issued and
-        left to overlap this one's reduce-scatter. The unit's full parameters are freed
-        before its rows are allocated, not after."""
+        left to overlap this one's reduce-scatter (and likewise the average across replica
+        groups outside the job: one unit in flight per all-reduce that follows the
+        reduce-scatter). The unit's full parameters are freed before its rows are allocated,
+        not after."""
         for u in self.reducing:
             u.advance_reduce()
-        while len(self.reducing) > (1 if self.sharding.hybrid else 0):
+        while len(self.reducing) > self._all_reduces_after_scatter:
             self.reducing.pop(0).finish_reduce()
         if not unit.is_root:
             unit.reshard()
@@ -420,7 +427,7 @@ class Runtime:
                 if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
                     self.reduce(u)
             self.agreeing = self._agree_used()  # issued now, read after the last reductions' waits
-            for u in self.reducing:  # every all-reduce across replicas in flight before any wait
+            for u in self.units:  # every all-reduce across replicas in flight before any wait
                 u.advance_reduce()
             for u in self.units:
                 u.finish_reduce()

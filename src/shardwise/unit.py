@@ -28,6 +28,7 @@ from . import collectives as C
 from . import codecs, events
 from .errors import ShardwiseError
 from .layout import Layout
+from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision
 from .streams import Streams
 
@@ -99,8 +100,13 @@ class Unit:
     state: UnitState
     reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
 
-    def __init__(self, module: nn.Module, name: str, registrations: list[Registration], group):
+    def __init__(
+        self, module: nn.Module, name: str, registrations: list[Registration], group, outer: ReplicaGroups | None
+    ):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
+        # replica groups outside the job (outer.py): gradients are averaged across them once
+        # the job's own reduction is complete
+        self.outer = outer
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.label = name or "<root>"
         self.channel = C.channel()  # Note [tagged Gloo messages] in collectives.py
@@ -180,8 +186,9 @@ class ShardedUnit(Unit):
         streams: Streams | None = None,
         replicate=None,
         comm: Comm | None = None,
+        outer: ReplicaGroups | None = None,
     ):
-        super().__init__(module, name, registrations, group)
+        super().__init__(module, name, registrations, group, outer)
         # precision on the wire; nothing leaves a rank in a group of one
         self.comm = comm or Comm()
         self.gather_codec = codecs.codec(self.comm.gather) if self.world > 1 else None
@@ -233,8 +240,9 @@ class ShardedUnit(Unit):
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
         self._gathered = None  # CUDA: the event after the gather, on the gather stream
-        self._reduce: C.Pending | None = None
-        self._replica: C.Pending | None = None
+        self._reduce: C.Pending | None = None  # the reduce-scatter in flight
+        self._replica: C.Pending | None = None  # the all-reduce after it in flight (across replicas)
+        self._stages: list = []  # the all-reduces after it still to issue, in order
         self._reduce_out: torch.Tensor | None = None
         self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
         self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
@@ -345,7 +353,8 @@ class ShardedUnit(Unit):
             if rg:
                 grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
                 p.grad = None
-        if self.world * self.replicas == 1 and self._direct:  # nothing to reduce: the gradients are the shards'
+        if self.world * self.replicas == 1 and self._direct and self.outer is None:
+            # nothing to reduce: the gradients are the shards'
             self._local_grads = grads
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
@@ -359,6 +368,7 @@ class ShardedUnit(Unit):
                 row.div_(self.world * self.replicas)
         self._reduce_out = buf.out
         self._replica = None
+        self._stages = [] if self.streams is not None else self._all_reduces()
         if self.streams is not None:
             self._reduce_on_stream(self.streams, buf)
         else:
@@ -371,14 +381,25 @@ class ShardedUnit(Unit):
         residual = self._residual("reduce_scatter", self.reduce_codec, sum(r.numel() for r in buf.rows), buf.out)
         return C.reduce_scatter(buf, self.group, self.label, self.channel, self.reduce_codec, residual)
 
+    def _all_reduces(self) -> list:
+        """What follows the reduce-scatter, in order: hybrid sharding's all-reduce across the
+        job's replicas, then the average across replica groups outside the job."""
+        stages = [self._replica_all_reduce] if self.replicate is not None else []
+        return stages + ([self._outer_all_reduce] if self.outer is not None else [])
+
     def advance_reduce(self) -> None:
-        """Finish the reduce-scatter and, with hybrid sharding, issue the all-reduce of its
-        result across the replicas (no wait)."""
-        if self._reduce is not None:
-            self._reduce.wait()
-            self._reduce = None
-        if self.streams is None and self.replicate is not None and self._reduce_out is not None and self._replica is None:
-            self._replica = self._replica_all_reduce(self._reduce_out)
+        """Take the reduction one stage on: finish the collective in flight (the
+        reduce-scatter, or an all-reduce after it) and issue the next all-reduce of its result,
+        if any (no wait)."""
+        pending = self._reduce or self._replica
+        if pending is not None:
+            pending.wait()
+            self._reduce = self._replica = None
+        if self._stages and self._reduce_out is not None:
+            self._replica = self._stages.pop(0)(self._reduce_out)
+
+    def _outer_all_reduce(self, shard: torch.Tensor) -> C.Pending:
+        return C.outer_all_reduce(shard, self.outer, self.label, numel=max(self.grad_layout.sizes))
 
     def _replica_all_reduce(self, shard: torch.Tensor) -> C.Pending:
         # with owned parameters each shard position reduces its own size: records note the largest
@@ -415,6 +436,7 @@ class ShardedUnit(Unit):
             else:
                 p.grad += g
         self._reduce = self._reduce_out = self._replica = None
+        self._stages = []
         if events.listeners:
             events.emit("reduce_done", self.label)
 
@@ -436,6 +458,7 @@ class ShardedUnit(Unit):
             self.streams.compute().wait_event(self._reduced)
         self._send = self._gather = self._gathered = self._local_grads = None
         self._reduce = self._replica = self._reduce_out = self._reduce_rows = self._reduced = None
+        self._stages = []
         for p in self.full_params:
             p.grad = None
         if self.state is not UnitState.SHARDED:
@@ -454,6 +477,8 @@ class ShardedUnit(Unit):
                 self._reduce_scatter(buf).wait()
             if self.replicate is not None:
                 self._replica_all_reduce(buf.out).wait()
+            if self.outer is not None:
+                self._outer_all_reduce(buf.out).wait()
             self._reduce_out = self._to_master(buf.out)
             self._reduced = s.reduce.record_event()
         self._reduce_rows = buf  # compute allocated them: held until it waits (rule 3)
@@ -462,9 +487,8 @@ class ShardedUnit(Unit):
         """This rank's averaged gradient shard in the master's dtype and memory, once its
         reduction is complete (compute waits for it; the CPU too when it is in host memory)."""
         if self._reduced is None:  # CPU: the collectives are waited for here
-            self.advance_reduce()
-            if self._replica is not None:
-                self._replica.wait()
+            while self._reduce is not None or self._replica is not None or self._stages:
+                self.advance_reduce()
             return self._to_master(self._reduce_out)
         self.streams.compute().wait_event(self._reduced)
         if self._reduce_out.device.type == "cpu":  # offloaded: the CPU optimizer reads it next
@@ -531,8 +555,9 @@ class ReplicatedUnit(Unit):
         *,
         precision: MixedPrecision,
         comm: Comm | None = None,
+        outer: ReplicaGroups | None = None,
     ):
-        super().__init__(module, name, registrations, group)
+        super().__init__(module, name, registrations, group, outer)
         self.comm = comm or Comm()
         self.reduce_codec = codecs.codec(self.comm.reduce) if self.world > 1 else None
         self.params = params
@@ -563,6 +588,7 @@ class ReplicatedUnit(Unit):
             sizes = [p.numel() for p in trained]
             self._grad_views = [g.view_as(p) for g, p in zip(self._flat_grad.split(sizes), trained)]
         self._reduce: C.Pending | None = None
+        self._outer_reduce: C.Pending | None = None  # the average across replica groups outside the job
         self._bucket: torch.Tensor | None = None
 
     def unshard(self) -> None:
@@ -615,11 +641,22 @@ class ReplicatedUnit(Unit):
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self._bucket.numel() * self._bucket.element_size())
 
+    def advance_reduce(self) -> None:
+        """Finish the all-reduce within the job and issue the average across replica groups
+        outside it, if any (no wait)."""
+        if self._reduce is not None:
+            self._reduce.wait()
+            self._reduce = None
+        if self.outer is not None and self._bucket is not None and self._outer_reduce is None:
+            self._outer_reduce = C.outer_all_reduce(self._bucket, self.outer, self.label)
+
     def finish_reduce(self) -> None:
         if self._bucket is None:
             return
-        if self._reduce is not None:
-            self._reduce.wait()
+        self.advance_reduce()
+        if self._outer_reduce is not None:
+            self._outer_reduce.wait()
+            self._outer_reduce = None
         if self.world > 1:
             self._bucket.div_(self.world)
         if self._flat_grad is not None:  # the gradients are views of the bucket already
@@ -649,9 +686,10 @@ class ReplicatedUnit(Unit):
         """After a step that raised: wait for the all-reduce in flight (every rank issued it
         alike) and drop it; with casts, drop the compute copies' gradients and reshard. The
         parameters' own gradients are the caller's to zero, as in one process."""
-        if self._reduce is not None:
-            self._reduce.wait()
-        self._reduce = self._bucket = None
+        for pending in (self._reduce, self._outer_reduce):
+            if pending is not None:
+                pending.wait()
+        self._reduce = self._outer_reduce = self._bucket = None
         if self.casts:
             for c in self.full_params:
                 c.grad = None

@@ -1,0 +1,408 @@
+"""Replica groups on torchft: the quorum each step, the average across groups, the commit,
+and healing a group that joins from a live one, rank for rank.
+
+Each torchrun job is one replica group; every rank of it runs a torchft ``Manager`` (rank 0's
+talks to the lighthouse for the group). Inside the job shardwise shards as usual; across jobs,
+rank r of every group averages its reduced gradient shards with rank r of the others through
+the manager's process group (``Manager.allreduce``: errors are reported to the manager, not
+raised, and a step that met one does not commit).
+
+Note [quorum at the start of the step]: the quorum is synchronous (``use_async_quorum=False``):
+``zero_grad`` waits for it, and a group that is behind takes a live group's state right there,
+before its forward, so it takes part in that very step and ``ft.step`` is exact as soon as
+``zero_grad`` returns (the loop picks its batch and learning rate from it). With torchft's
+asynchronous quorum the state would arrive in the middle of the step, and what the loop set
+meanwhile (the learning rate of this step) would race with what is served. The cost is one
+round trip to the lighthouse a step (docs/fault_tolerance.md measures it). While it waits,
+every rank probes the lighthouse, so a lost lighthouse ends every rank with ``LighthouseLost``
+in about two seconds instead of at the quorum's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchft.checkpointing import HTTPTransport
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+from .. import collectives as C
+from .. import groups
+from ..errors import ShardwiseError
+from ..checkpoint.state import param_slots
+from ..runtime import runtime_of
+from . import heal
+from .lighthouse import local_address, reachable
+from .lighthouse import url as lighthouse_url
+from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Heal:
+    """The last time this rank took a live rank's state."""
+
+    step: int  # the committed step it resumed at
+    bytes: int  # tensor bytes received (its shards, optimizer state, buffers, residuals)
+    seconds: float  # from asking for the state to having it in place
+
+
+class Torchft:
+    """Fault tolerance across replica groups (one torchrun job each) on torchft.
+
+        ft = shardwise.ft.Torchft(lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id="node3")
+        shardwise.shard(model, wrap=..., fault_tolerance=ft)
+        opt = ft.optimizer(torch.optim.AdamW(model.parameters()))
+        while ft.step < steps:
+            opt.zero_grad()                       # joins the quorum; heals a group that is behind
+            x, y = batch(ft.step)                 # committed steps so far: the same on every group
+            model(x, y).backward()                # gradients averaged over the groups taking part
+            opt.step()                            # steps only if the step commits
+
+    lighthouse: torchft's lighthouse, ``http://HOST:PORT`` (``shardwise lighthouse``).
+    replica_id: this group's name, the same on all its ranks and across its restarts.
+    min_replicas: groups a step needs to commit.
+    timeout: seconds for a collective across groups, a commit and a state transfer.
+    quorum_timeout: seconds a quorum may take (a dead group is dropped after the lighthouse's
+    heartbeat timeout; a slow step of another group delays the quorum as long).
+    hostname: the address other groups reach this node at (default: this node's address on
+    the route to the lighthouse).
+    max_failed_steps: steps in a row that may fail to commit before ``FaultToleranceError``.
+    """
+
+    def __init__(
+        self,
+        lighthouse: str,
+        replica_id: str,
+        *,
+        min_replicas: int = 1,
+        timeout: float = 30.0,
+        quorum_timeout: float = 60.0,
+        hostname: str | None = None,
+        max_failed_steps: int = 10,
+    ):
+        try:
+            self.lighthouse = lighthouse_url(lighthouse)
+        except ValueError as e:
+            raise FaultToleranceError(f"Torchft(lighthouse={lighthouse!r}): {e}") from None
+        if not replica_id or ":" in replica_id:
+            raise FaultToleranceError(
+                f"Torchft(replica_id={replica_id!r}): name the group (e.g. 'node3'), without ':'"
+            )
+        self.replica_id = replica_id
+        self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
+        self.hostname, self.max_failed_steps = hostname, max_failed_steps
+        self.last_heal: Heal | None = None
+        self._manager: Manager | None = None
+        self._transport: _Transport | None = None
+        self._model: nn.Module | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._snapshot: dict | None = None  # this rank's state at the start of the step
+        self._in_step = False
+        self._committed = True
+        self._failed = 0  # steps in a row that did not commit
+        self._fingerprint: torch.Tensor | None = None
+
+    # --- what users read
+    @property
+    def step(self) -> int:
+        """Committed steps so far (the same on every live group once ``zero_grad`` returned)."""
+        return self._manager.current_step() if self._manager is not None else 0
+
+    @property
+    def participants(self) -> int:
+        """Replica groups in the current quorum."""
+        return self._manager.num_participants() if self._manager is not None else 0
+
+    def optimizer(self, *optimizers: torch.optim.Optimizer) -> FaultTolerantOptimizer:
+        """Wrap the model's optimizers (e.g. Muon and AdamW): ``zero_grad`` joins the quorum,
+        ``step`` commits or skips. Call once, after ``shard(..., fault_tolerance=self)``."""
+        if self._model is None:
+            raise ShardwiseError("ft.optimizer() comes after shardwise.shard(model, ..., fault_tolerance=ft)")
+        if self._optimizers:
+            raise ShardwiseError("ft.optimizer() was called already: pass every optimizer in one call")
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise ShardwiseError("ft.optimizer() takes the torch.optim optimizers of the sharded model")
+        self._optimizers = list(optimizers)
+        return FaultTolerantOptimizer(self, self._optimizers)
+
+    def shutdown(self) -> None:
+        """Leave the quorum and stop this rank's servers (call at the end of training)."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+    # --- outer.ReplicaGroups: what shard() and the units call
+    def attach(self, model: nn.Module) -> None:
+        if self._model is not None:
+            raise ShardwiseError("a Torchft serves one model: make one per sharded model")
+        self._model = model
+        self._runtime = runtime_of(model)
+        self._start_manager()
+
+    def all_reduce(self, tensor: torch.Tensor):
+        if not self._in_step:
+            raise ShardwiseError(
+                "a backward reduced gradients outside a fault-tolerant step: call opt.zero_grad() "
+                "(opt = ft.optimizer(...)) at the start of every step; it joins the quorum"
+            )
+        return self._manager.allreduce(tensor)
+
+    def size(self) -> int:
+        return self._manager.num_participants()
+
+    # --- the manager
+    def _start_manager(self) -> None:
+        """Start this rank's manager (collective over the job): rank 0 checks the lighthouse
+        and starts the group's store and manager server first, then the others join them."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        told = [None]
+        if rank == 0:
+            told[0] = self._start_first()
+        if world > 1:
+            C.blocking("broadcast", "torchft start", dist.broadcast_object_list, told, src=0, group=groups.host_group(None))
+        problem, store_host, store_port = told[0]
+        if problem:
+            raise LighthouseUnreachable(problem if rank == 0 else f"rank 0 reported: {problem}")
+        if rank != 0:
+            self._manager = self._make_manager(store_host, store_port)
+
+    def _start_first(self) -> tuple[str, str, int]:
+        deadline = time.monotonic() + min(10.0, self.timeout)
+        while not reachable(self.lighthouse):
+            if time.monotonic() > deadline:
+                return (
+                    f"no lighthouse answers at {self.lighthouse}: start one there (shardwise "
+                    "lighthouse, or torchft_lighthouse --min_replicas 1) or fix the address "
+                    "(TORCHFT_LIGHTHOUSE)", "", 0,
+                )
+            time.sleep(0.2)
+        host = self._host()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        try:
+            self._manager = self._make_manager(host, self._store.port)
+        except Exception as e:  # the lighthouse went away in between, or refused us
+            return f"the manager could not join the lighthouse at {self.lighthouse}: {e}", "", 0
+        return "", host, self._store.port
+
+    def _host(self) -> str:
+        return self.hostname or local_address(self.lighthouse)
+
+    def _make_manager(self, store_host: str, store_port: int) -> Manager:
+        seconds = timedelta(seconds=self.timeout)
+        cuda = groups.device().type == "cuda"
+        self._transport = _Transport(self._host(), seconds)
+        return Manager(
+            pg=ProcessGroupNCCL(timeout=seconds) if cuda else ProcessGroupGloo(timeout=seconds),
+            load_state_dict=self._take,
+            state_dict=self._serve,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # Note [quorum at the start of the step]
+            timeout=seconds,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout),
+            connect_timeout=timedelta(seconds=min(10.0, self.timeout)),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            store_addr=store_host,
+            store_port=store_port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=self.replica_id,
+            hostname=self._host(),
+            checkpoint_transport=self._transport,
+        )
+
+    # --- one step
+    def begin_step(self) -> None:
+        """Join this step's quorum (heal if behind) and check that the groups match."""
+        if not self._optimizers:
+            raise ShardwiseError("wrap the optimizer first: opt = ft.optimizer(torch.optim.AdamW(...))")
+        scaler = self._runtime.grad_scaler
+        if self._snapshot is not None and not self._committed:  # the step before did not commit
+            heal.restore_transient(self._runtime, scaler, self._snapshot)
+        self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler)
+        self._transport.failed = None
+        self._quorum()
+        if self._transport.failed is not None:
+            raise CannotHeal(
+                f"rank {dist.get_rank()} of group '{self.replica_id}' is behind and could not take "
+                f"a live group's state: {self._transport.failed}"
+            ) from self._transport.failed
+        self._in_step, self._committed = True, False
+        self._check_layout()
+
+    def _quorum(self) -> None:
+        """``Manager.start_quorum`` on a thread of its own, while this one watches the
+        lighthouse (Note [quorum at the start of the step])."""
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                self._manager.start_quorum()
+                done.set_result(None)
+            except BaseException as e:  # raised again below, on the training thread
+                done.set_exception(e)
+
+        threading.Thread(target=run, name="shardwise-ft-quorum", daemon=True).start()
+        start, misses = time.monotonic(), 0
+        while True:
+            try:
+                done.result(timeout=0.5)
+                return
+            except FutureTimeout:
+                if time.monotonic() - start > 1.0:
+                    misses = 0 if reachable(self.lighthouse) else misses + 1
+                    if misses >= 2:
+                        raise self._lost("stopped answering while this group waited for a quorum") from None
+            except FaultToleranceError:
+                raise
+            except Exception as e:
+                if not reachable(self.lighthouse):
+                    raise self._lost(f"stopped answering ({type(e).__name__}: {e})") from e
+                raise FaultToleranceError(
+                    f"group '{self.replica_id}' got no quorum from the lighthouse at {self.lighthouse}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+
+    def _lost(self, what: str) -> LighthouseLost:
+        return LighthouseLost(
+            f"the lighthouse at {self.lighthouse} {what}: no group can form a quorum without it. "
+            "Restart it, then the groups (a shardwise checkpoint resumes them: --resume)"
+        )
+
+    def _check_layout(self) -> None:
+        """Every group must hold the same rows rank for rank: averaged over the groups, this
+        rank's layout fingerprint stays itself only where all agree (one small all-reduce)."""
+        if self._fingerprint is None:
+            slots = param_slots(self._runtime)
+            values = heal.fingerprint(heal.layout(self._runtime, self._optimizers, slots))
+            self._fingerprint = torch.tensor(values, dtype=torch.float64, device=groups.device())
+        seen = self._fingerprint.clone()
+        self._manager.allreduce(seen).wait()
+        if self._manager.errored() is None and not torch.equal(seen, self._fingerprint):
+            raise CannotHeal(
+                f"group '{self.replica_id}' does not shard the model as the other groups in the "
+                f"quorum do (rank {dist.get_rank()} of {dist.get_world_size()}, strategy "
+                f"'{self._runtime.strategy}'). {heal._FIX}"
+            )
+
+    def commit(self) -> bool:
+        """Whether this step commits on this group (torchft's vote over its ranks)."""
+        if not self._in_step:
+            raise ShardwiseError("opt.step() without opt.zero_grad() first: zero_grad joins the step's quorum")
+        self._in_step = False
+        self._committed = self._manager.should_commit()
+        self._failed = 0 if self._committed else self._failed + 1
+        if self._failed > self.max_failed_steps:
+            raise FaultToleranceError(
+                f"group '{self.replica_id}' failed to commit {self._failed} steps in a row: "
+                f"{self._manager.errored() or 'too few groups in the quorum'} "
+                f"(min_replicas={self.min_replicas})"
+            )
+        return self._committed
+
+    # --- healing (torchft calls these)
+    def _serve(self) -> dict:
+        return self._snapshot
+
+    def _take(self, state: dict) -> None:
+        t0 = time.perf_counter()
+        received = self._transport.received
+        heal.apply(self._runtime, self._optimizers, self._runtime.grad_scaler, state, received.source)
+        self.last_heal = Heal(self._manager.current_step(), received.bytes, received.seconds + time.perf_counter() - t0)
+        log.info("rank %d healed: %s", dist.get_rank(), self.last_heal)
+
+
+class FaultTolerantOptimizer:
+    """The model's optimizers under a ``Torchft``: ``zero_grad()`` joins the step's quorum
+    (taking a live group's state if this group is behind), ``step()`` steps them only if the
+    step commits and returns whether it did. Iterating it gives the optimizers, so
+    ``shardwise.save(path, model, opt)`` and ``shardwise.load`` take it as they take a list."""
+
+    def __init__(self, ft: Torchft, optimizers: list[torch.optim.Optimizer]):
+        self.ft, self.optimizers = ft, optimizers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.ft.begin_step()
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+    def step(self, closure=None) -> bool:
+        if closure is not None:
+            raise ShardwiseError("a fault-tolerant step takes no closure")
+        committed = self.ft.commit()
+        if committed:
+            for o in self.optimizers:
+                o.step()
+        return committed
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+
+@dataclass(frozen=True)
+class _Received:
+    bytes: int
+    seconds: float
+    source: str
+
+
+class _Transport(HTTPTransport):
+    """torchft's HTTP checkpoint transport, serving at an address other groups reach (torchft's
+    names this machine by its hostname, which another node or namespace may not resolve), and
+    noting what a heal received."""
+
+    def __init__(self, host: str, timeout: timedelta):
+        self._host = host
+        self.received: _Received | None = None
+        self.failed: Exception | None = None
+        super().__init__(timeout=timeout, num_chunks=0)
+
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{port}/checkpoint/"
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
+        t0 = time.perf_counter()
+        try:
+            state = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        except Exception as e:
+            self.failed = e
+            raise
+        self.received = _Received(_tensor_bytes(state), time.perf_counter() - t0, f"{metadata}{step}")
+        return state
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the distinct storages of the tensors in ``obj``."""
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if torch.is_tensor(o):
+            s = o.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return sum(seen.values())
+

@@ -1,0 +1,113 @@
+"""Replica groups outside the job (shardwise.outer) built on plain process groups, for tests: a
+pool of 4 ranks stands for 2 jobs of 2 ranks; rank r of each job averages its gradient shards
+with rank r of the other through a group of its own, as torchft's manager does across jobs
+(the groups that do not take part in a step send zeros; the sum is divided by the number
+that do). Also the training loop both the fault-tolerance jobs (ft_job.py) and their
+references run, so that a reference replays a job's steps exactly."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from nets import batch, loss_of, make, wrap_policy
+
+import shardwise
+
+GROUP_SIZE = 2
+
+
+class PlainGroups:
+    """``shardwise.outer.ReplicaGroups`` over ``group`` (rank r of every job); ``taking_part``
+    names the groups of the current step."""
+
+    def __init__(self, group, index: int, groups: int):
+        self.group, self.index = group, index
+        self.taking_part = set(range(groups))
+
+    def attach(self, model) -> None:
+        pass
+
+    def all_reduce(self, tensor: torch.Tensor):
+        if self.index not in self.taking_part:
+            tensor.zero_()
+        return _Averaged(dist.all_reduce(tensor, group=self.group, async_op=True), tensor, self.size())
+
+    def size(self) -> int:
+        return len(self.taking_part)
+
+
+class _Averaged:
+    def __init__(self, work, tensor: torch.Tensor, n: int):
+        self.work, self.tensor, self.n = work, tensor, n
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.tensor /= self.n  # as torchft's Manager.allreduce averages
+        return True
+
+
+_groups: dict = {}
+
+
+def jobs_in_pool(group_size: int = GROUP_SIZE):
+    """(the job's group, the group of this rank's peers in the other jobs, job index) for this
+    rank of the pool, whose ranks split into jobs of ``group_size`` consecutive ranks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if group_size not in _groups:
+        jobs = [dist.new_group(list(range(j, j + group_size))) for j in range(0, world, group_size)]
+        peers = [dist.new_group(list(range(r, world, group_size))) for r in range(group_size)]
+        _groups[group_size] = (jobs, peers)
+    jobs, peers = _groups[group_size]
+    return jobs[rank // group_size], peers[rank % group_size], rank // group_size
+
+
+def build(outer, *, group=None, kind: str = "tied", strategy: str = "full_shard", lr: float = 1e-2, **options):
+    """The model and optimizer every fault-tolerance test trains (``options`` go to shard())."""
+    model = shardwise.shard(
+        make(kind), wrap=wrap_policy("by_class", kind), strategy=strategy, group=group, fault_tolerance=outer,
+        **options,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return model, opt
+
+
+def group_batch(kind: str, step: int, job: int, per_rank: int, group_size: int):
+    """Job ``job``'s batch of committed step ``step`` (each job reads its own data)."""
+    return batch(kind, 1000 * job + step, per_rank * group_size)
+
+
+def rank_slice(t: torch.Tensor, rank: int, group_size: int) -> torch.Tensor:
+    per = t.shape[0] // group_size
+    return t[rank * per : (rank + 1) * per]
+
+
+def forward_backward(model, kind: str, step: int, job: int, rank: int, group_size: int, per_rank: int = 2):
+    x, y = group_batch(kind, step, job, per_rank, group_size)
+    loss = loss_of(model, rank_slice(x, rank, group_size), rank_slice(y, rank, group_size))
+    loss.backward()
+    return loss.detach()
+
+
+def rank_state(model, opt) -> dict:
+    """This rank's shards and optimizer state, by name (what two groups compare bitwise)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            state[f"optim.{names[id(p)]}.{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
+    return state
+
+
+def replay(record: list[list[int]], steps: int, kind: str = "tied", strategy: str = "full_shard", **options):
+    """Train 2 jobs in the pool of 4 with the given participation (``record[s]``: the jobs that
+    took part in committed step s), no failure; return this rank's final state."""
+    job_group, peers, job = jobs_in_pool()
+    outer = PlainGroups(peers, job, groups=2)
+    model, opt = build(outer, group=job_group, kind=kind, strategy=strategy, **options)
+    rank = dist.get_rank(job_group)
+    for step in range(steps):
+        outer.taking_part = set(record[step])
+        forward_backward(model, kind, step, job, rank, GROUP_SIZE)
+        opt.step()
+        opt.zero_grad()
+    return rank_state(model, opt)
