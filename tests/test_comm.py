@@ -342,3 +342,28 @@ def test_planner_predicts_encoded_bytes():
         exact = sent[None][i].comm[kind]
         assert sent["bf16"][i].comm[kind] == exact // 2
         assert 0.25 < sent["int8"][i].comm[kind] / exact < 0.26  # a byte each, 4 per 256 for scales
+
+
+def fp16_steps_with_error_feedback(steps=6):
+    """fp16 with int8 and error feedback from a loss scale that overflows at first: which steps
+    the scaler took, and whether every residual stayed finite."""
+    comm = Comm(gather="int8", reduce="int8", error_feedback=True)
+    model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), mixed_precision="fp16", comm=comm)
+    scaler = shardwise.GradScaler(model, init_scale=2.0**16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    taken = []
+    for step in range(steps):
+        x, y = batch("tied", step, 8)
+        scaler.scale(loss_of(model, local_slice(x), local_slice(y))).backward()
+        taken.append(scaler.step(opt))
+        scaler.update()
+        opt.zero_grad()
+    finite = all(torch.isfinite(t).all() for u in shardwise.units(model) for t in u.residuals.values())
+    return taken, finite
+
+
+def test_a_skipped_fp16_step_does_not_poison_error_feedback(pools):
+    # the first steps overflow; their rows are not finite, and residuals kept from them made
+    # every later step's rows so too: the scaler then skipped every step, forever
+    for taken, finite in pools(2).run(fp16_steps_with_error_feedback):
+        assert not taken[0] and all(taken[-3:]) and finite, taken

@@ -64,6 +64,10 @@ class GradScaler:
         """Step ``optimizer`` unless some rank found inf/NaN; returns whether it stepped."""
         self.unscale_(optimizer)
         if self._found_inf[id(optimizer)]:
+            # error feedback residuals kept what encoding dropped from this step's rows, which
+            # were not finite: carried on, they would make every later step's rows so too
+            for unit in self.runtime.units:
+                unit.residuals.clear()
             return False
         optimizer.step()
         return True
