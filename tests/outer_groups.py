@@ -81,10 +81,10 @@ def rank_slice(t: torch.Tensor, rank: int, group_size: int) -> torch.Tensor:
     return t[rank * per : (rank + 1) * per]
 
 
-def forward_backward(model, kind: str, step: int, job: int, rank: int, group_size: int, per_rank: int = 2):
+def forward_backward(model, kind: str, step: int, job: int, rank: int, group_size: int, per_rank: int = 2, scale=None):
     x, y = group_batch(kind, step, job, per_rank, group_size)
     loss = loss_of(model, rank_slice(x, rank, group_size), rank_slice(y, rank, group_size))
-    loss.backward()
+    (scale.scale(loss) if scale is not None else loss).backward()
     return loss.detach()
 
 

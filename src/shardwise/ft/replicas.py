@@ -110,7 +110,7 @@ class Torchft:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._snapshot: dict | None = None  # this rank's state at the start of the step
         self._in_step = False
-        self._committed = True
+        self._committed: bool | None = None  # the last step's vote (None: the loop skipped it)
         self._failed = 0  # steps in a row that did not commit
         self._fingerprint: torch.Tensor | None = None
 
@@ -228,7 +228,7 @@ class Torchft:
         if not self._optimizers:
             raise ShardwiseError("wrap the optimizer first: opt = ft.optimizer(torch.optim.AdamW(...))")
         scaler = self._runtime.grad_scaler
-        if self._snapshot is not None and not self._committed:  # the step before did not commit
+        if self._snapshot is not None and self._committed is False:  # the step before failed
             heal.restore_transient(self._runtime, scaler, self._snapshot)
         self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler)
         self._transport.failed = None
@@ -238,7 +238,7 @@ class Torchft:
                 f"rank {dist.get_rank()} of group '{self.replica_id}' is behind and could not take "
                 f"a live group's state: {self._transport.failed}"
             ) from self._transport.failed
-        self._in_step, self._committed = True, False
+        self._in_step, self._committed = True, None
         self._check_layout()
 
     def _quorum(self) -> None:
