@@ -8,13 +8,12 @@ the end each rank writes its shards, optimizer state and what it healed to
 The job is given as JSON: ``group`` (its index: job ``g`` reads its own batches), ``steps``,
 ``pause`` (seconds a step, so that groups overlap), ``strategy`` and shard() options, and
 ``kill``: ``[step, rank]`` to SIGKILL that rank in the middle of the backward of the first
-step from ``step`` on that both groups take part in, on the job's first run only. A job stops
-at the first committed step from ``steps`` on that follows ``tail`` steps both groups took
-part in: the same step on both (they see the same quorums), and only once a killed group is
-back.
+step from ``step`` on that both groups take part in, on the job's first run only. A job saves
+its state and stops (goes on, with ``forever``) at the first committed step from ``steps`` on
+that follows ``tail`` steps both groups took part in: the same step on both (they see the
+same quorums), and only once a killed group is back.
 """
 
-import dataclasses
 import json
 import os
 import signal
@@ -27,19 +26,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from outer_groups import build, forward_backward, rank_state  # noqa: E402
+from outer_groups import build, forward_backward, options_of, rank_state, residuals  # noqa: E402
 
 import shardwise  # noqa: E402
 import shardwise.ft  # noqa: E402
-
-
-def options_of(cfg: dict) -> dict:
-    out = {k: cfg[k] for k in ("strategy", "mixed_precision") if k in cfg}
-    if cfg.get("comm"):
-        out["comm"] = dataclasses.replace(shardwise.Comm.of(cfg["comm"]), error_feedback=cfg.get("error_feedback", False))
-    if cfg.get("owned"):
-        out["placement"] = shardwise.placement.matrices
-    return out
 
 
 def main(cfg: dict) -> None:
@@ -56,6 +46,7 @@ def train(cfg: dict) -> None:
     first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     ft = shardwise.ft.Torchft(
         lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}", timeout=cfg.get("timeout", 20),
+        quorum_timeout=cfg.get("quorum_timeout", 30),
     )
     model, inner = build(ft, **options_of(cfg))
     scaler = shardwise.GradScaler(model) if cfg.get("mixed_precision") == "fp16" else None
@@ -63,8 +54,8 @@ def train(cfg: dict) -> None:
     out = Path(cfg["out"])
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log = open(out / f"g{cfg['group']}-r{rank}-run{restart}.jsonl", "w")  # noqa: SIM115
-    together, losses, t0 = 0, [], time.monotonic()
-    while not (ft.step >= cfg["steps"] and together >= cfg.get("tail", 3)):
+    together, saved, t0 = 0, False, time.monotonic()
+    while not (saved and not cfg.get("forever")):
         if ft.step > cfg.get("max_steps", 400):
             raise RuntimeError(f"group {cfg['group']} never trained beside the other again")
         opt.zero_grad()
@@ -72,7 +63,7 @@ def train(cfg: dict) -> None:
         kill = cfg.get("kill")
         if first_run and kill and step >= kill[0] and rank == kill[1] and ft.participants == 2:
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
-        loss = forward_backward(model, "tied", step, cfg["group"], rank, world, scale=scaler)
+        forward_backward(model, "tied", step, cfg["group"], rank, world, scale=scaler)
         if scaler:
             scaler.step(opt)  # steps opt unless a gradient is not finite; opt steps if it commits
             scaler.update()
@@ -82,22 +73,24 @@ def train(cfg: dict) -> None:
         together = together + 1 if committed and ft.participants == 2 else 0 if committed else together
         log.write(json.dumps([step, ft.participants, committed, time.monotonic() - t0]) + "\n")
         log.flush()
-        losses.append(float(loss))
+        if not saved and ft.step >= cfg["steps"] and together >= cfg.get("tail", 3):
+            save(out / f"g{cfg['group']}-{rank}.pt", model, inner, scaler, ft)
+            saved = True
         time.sleep(cfg.get("pause", 0.0))
+    ft.shutdown()
+    dist.destroy_process_group()
+
+
+def save(path: Path, model, inner, scaler, ft) -> None:
     heal = ft.last_heal
     torch.save(
         {
-            "state": rank_state(model, inner),
-            "losses": losses,
+            "state": {**rank_state(model, inner), **residuals(model)},
             "heal": None if heal is None else (heal.step, heal.bytes, heal.seconds),
-            "first_run": first_run,
             "scale": scaler.get_scale() if scaler else None,
-            "residuals": {f"{i}.{k}": t.clone() for i, u in enumerate(shardwise.units(model)) for k, t in u.residuals.items()},
         },
-        out / f"g{cfg['group']}-{rank}.pt",
+        path,
     )
-    ft.shutdown()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ references run, so that a reference replays a job's steps exactly."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from nets import batch, loss_of, make, wrap_policy
@@ -61,6 +63,17 @@ def jobs_in_pool(group_size: int = GROUP_SIZE):
     return jobs[rank // group_size], peers[rank % group_size], rank // group_size
 
 
+def options_of(cfg: dict) -> dict:
+    """shard()'s options from a job's JSON: ``strategy``, ``mixed_precision``, ``comm`` (with
+    ``error_feedback``), ``owned`` (placement of the blocks' matrices)."""
+    out = {k: cfg[k] for k in ("strategy", "shard_size", "mixed_precision") if k in cfg}
+    if cfg.get("comm"):
+        out["comm"] = dataclasses.replace(shardwise.Comm.of(cfg["comm"]), error_feedback=cfg.get("error_feedback", False))
+    if cfg.get("owned"):
+        out["placement"] = shardwise.placement.matrices
+    return out
+
+
 def build(outer, *, group=None, kind: str = "tied", strategy: str = "full_shard", lr: float = 1e-2, **options):
     """The model and optimizer every fault-tolerance test trains (``options`` go to shard())."""
     model = shardwise.shard(
@@ -98,16 +111,34 @@ def rank_state(model, opt) -> dict:
     return state
 
 
-def replay(record: list[list[int]], steps: int, kind: str = "tied", strategy: str = "full_shard", **options):
-    """Train 2 jobs in the pool of 4 with the given participation (``record[s]``: the jobs that
-    took part in committed step s), no failure; return this rank's final state."""
+def replay(record: list[list[int]], steps: int, cfg: dict, healed: dict[int, list[int]], kind: str = "tied"):
+    """Train 2 jobs in the pool of 4 as a job's JSON ``cfg`` says, with the given participation
+    (``record[s]``: the jobs that took part in committed step s) and no failure; return this
+    rank's final state. A step fp16's scaler skips is taken again, as the jobs do. A job that
+    joined at step s (``s in healed[job]``) starts its error feedback residuals afresh there,
+    as a healed rank does (shardwise.ft.heal)."""
     job_group, peers, job = jobs_in_pool()
     outer = PlainGroups(peers, job, groups=2)
-    model, opt = build(outer, group=job_group, kind=kind, strategy=strategy, **options)
+    model, opt = build(outer, group=job_group, kind=kind, **options_of(cfg))
+    scaler = shardwise.GradScaler(model) if cfg.get("mixed_precision") == "fp16" else None
     rank = dist.get_rank(job_group)
-    for step in range(steps):
+    step = 0
+    while step < steps:
         outer.taking_part = set(record[step])
-        forward_backward(model, kind, step, job, rank, GROUP_SIZE)
-        opt.step()
+        if step in healed.get(job, ()):
+            for unit in shardwise.units(model):
+                unit.residuals = {}
+        forward_backward(model, kind, step, job, rank, GROUP_SIZE, scale=scaler)
+        took = scaler.step(opt) if scaler else opt.step() is None
+        if scaler:
+            scaler.update()
         opt.zero_grad()
-    return rank_state(model, opt)
+        step += int(took)
+    state = rank_state(model, opt)
+    state.update(residuals(model))
+    return state
+
+
+def residuals(model) -> dict:
+    """This rank's error feedback residuals, by unit and kind."""
+    return {f"residual.{i}.{k}": t.clone() for i, u in enumerate(shardwise.units(model)) for k, t in u.residuals.items()}

@@ -6,10 +6,11 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
   committed step is repeated or skipped, both groups end bitwise equal, and equal, bitwise, to
   a replay of the same participation record without any failure (outer_groups.replay, in the
   pool of 4 ranks standing for the two jobs).
-- A group that joins late heals fp16's loss scale, int8's error feedback residuals and owned
-  parameters' state, and hybrid sharding inside a job; the groups end bitwise equal.
-- Clear ends: an unreachable lighthouse at start, a group whose layout differs (CannotHeal,
-  while the live group goes on), and a lighthouse lost mid-run (LighthouseLost on every rank).
+  The state includes fp16's loss scale, int8's error feedback residuals and owned matrices.
+- A group that joins late heals with hybrid sharding inside each job (bf16, int8 residuals);
+  a group of another layout cannot (CannotHeal) while the others go on; a lighthouse lost
+  mid-run ends every rank of every group with LighthouseLost within seconds.
+- An unreachable lighthouse at start is named on every rank.
 
 Skips, naming the extra, where torchft is not installed.
 """
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers (here and in the jobs) log every quorum
 pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip install -e '.[ft]'")
 
 import torch  # noqa: E402
@@ -38,22 +41,44 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture
 def lighthouse():
-    """torchft's lighthouse in this process, on a free port; its address for the jobs."""
+    """torchft's lighthouse in this process, on a free port: its address for the jobs."""
     from shardwise.ft.lighthouse import serve
 
     server = serve(port=0, bind="127.0.0.1")
-    port = int(re.search(r":(\d+)$", server.address()).group(1))
-    holder = {"server": server, "address": f"http://127.0.0.1:{port}"}
-    yield holder
-    if holder["server"] is not None:
-        holder["server"].shutdown()
+    port = re.search(r":(\d+)$", server.address()).group(1)
+    yield f"http://127.0.0.1:{port}"
+    server.shutdown()
+
+
+@pytest.fixture
+def lighthouse_process(tmp_path):
+    """``shardwise lighthouse`` in a process of its own (killed to lose it): its process and address."""
+    from shardwise.ft.lighthouse import reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "lighthouse.log", "w")  # noqa: SIM115 (the child holds it)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardwise", "lighthouse", "--port", str(port), "--bind", "127.0.0.1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not reachable(address):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "lighthouse.log").read_text()
+        time.sleep(0.1)
+    yield proc, address
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 class Jobs:
     """torchrun jobs of this test, each in a session of its own: all are killed at the end."""
 
-    def __init__(self, out: Path, lighthouse: str):
-        self.out, self.lighthouse, self.procs = out, lighthouse, []
+    def __init__(self, out: Path):
+        self.out, self.lighthouse, self.procs = out, "", []
 
     def start(self, group: int, nproc: int = 2, restarts: int = 1, **cfg) -> subprocess.Popen:
         cfg = {"group": group, "out": str(self.out), **cfg}
@@ -88,18 +113,16 @@ class Jobs:
 
 
 @pytest.fixture
-def jobs(tmp_path, lighthouse):
-    j = Jobs(tmp_path, lighthouse["address"])
+def jobs(tmp_path):
+    j = Jobs(tmp_path)
     yield j
     j.close()
 
 
 def records(out: Path, group: int) -> dict[str, list]:
     """Each run's record of each rank of ``group``: [step, groups in the quorum, committed, s]."""
-    return {
-        p.stem: [json.loads(line) for line in p.read_text().splitlines()]
-        for p in sorted(out.glob(f"g{group}-r*-run*.jsonl"))
-    }
+    found = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in out.glob(f"g{group}-r*-run*.jsonl")}
+    return {name: rec for name, rec in sorted(found.items()) if rec}  # (a run killed in its first step has none)
 
 
 def participation(out: Path, steps: int) -> list[list[int]]:
@@ -127,56 +150,94 @@ def final(out: Path, group: int, rank: int) -> dict:
     return torch.load(out / f"g{group}-{rank}.pt", weights_only=False)
 
 
-def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, pools):
-    a = jobs.start(0, steps=10, pause=0.2)
-    b = jobs.start(1, steps=10, pause=0.2, kill=[4, 1])  # rank 1 of group 1 dies mid-backward
+def model_state(saved: dict) -> dict:
+    """Shards and optimizer state, without the error feedback residuals."""
+    return {k: v for k, v in saved["state"].items() if not k.startswith("residual.")}
+
+
+KILLED = json.loads(os.environ.get("FT_VARIANT", "null")) or {"mixed_precision": "fp16", "comm": "int8", "error_feedback": True, "owned": True}
+
+
+def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, lighthouse, pools):
+    # fp16 with its loss scale, int8 with error feedback residuals and owned matrices: every
+    # kind of state a rank holds is rolled back after the failed step and healed
+    jobs.lighthouse = lighthouse
+    a = jobs.start(0, steps=10, pause=0.2, **KILLED)
+    b = jobs.start(1, steps=10, pause=0.2, kill=[4, 1], **KILLED)  # rank 1 of group 1 dies mid-backward
     assert [jobs.wait(a, 240), jobs.wait(b, 240)] == [0, 0], jobs.logs()
     out = jobs.out
     runs = {**records(out, 0), **records(out, 1)}
     for rec in runs.values():
         check_steps(rec)
     assert "g1-r0-run1" in runs, "group 1 was not restarted"
-    steps = runs["g0-r0-run0"][-1][0] + 1
+    steps = max(step for step, _, done, _ in runs["g0-r0-run0"] if done) + 1
     record = participation(out, steps)
-    lost = [s for s, t in enumerate(record) if t == [0]]
-    assert lost, f"group 0 never trained alone: {record}"
+    alone = [s for s, t in enumerate(record) if t == [0]]
+    assert alone, f"group 0 never trained alone: {record}"
     healed_at = runs["g1-r0-run1"][0][0]
-    assert healed_at > lost[-1] and record[healed_at] == [0, 1]
-    references = pools(4).run(replay, record, steps)
+    assert healed_at > alone[-1] and record[healed_at] == [0, 1]
+    joined = {g: sorted({rec[0][0] for name, rec in runs.items() if name.startswith(f"g{g}-")}) for g in (0, 1)}
+    references = pools(4).run(replay, record, steps, KILLED, joined)
     for rank in (0, 1):
         mine, twin = final(out, 0, rank), final(out, 1, rank)
         assert twin["heal"][0] == healed_at and twin["heal"][1] > 0  # its shards, from memory
-        for name, value in mine["state"].items():
-            assert torch.equal(value, twin["state"][name]), f"rank {rank}: the groups differ in {name}"
-        ref = references[rank]  # pool rank r is rank r of group 0
-        different = [n for n, v in mine["state"].items() if not torch.equal(v, ref[n])]
-        assert not different, f"rank {rank}: differs from the replayed record in {different}"
+        assert mine["scale"] == twin["scale"]
+        # the model and optimizer state: one for every group (residuals are each group's own)
+        differ = [n for n, v in model_state(mine).items() if not torch.equal(v, twin["state"][n])]
+        assert not differ, f"rank {rank}: the groups differ in {differ}"
+        for group, got in ((0, mine), (1, twin)):
+            ref = references[2 * group + rank]  # pool rank 2g + r is rank r of group g
+            assert got["state"].keys() == ref.keys()
+            assert any(k.startswith("residual.") for k in ref) == bool(KILLED.get("error_feedback"))
+            differ = [n for n, v in got["state"].items() if not torch.equal(v, ref[n])]
+            assert not differ, f"group {group} rank {rank}: differs from the replayed record in {differ}"
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        {"mixed_precision": "fp16", "comm": "int8", "error_feedback": True, "owned": True},
-        {"strategy": "hybrid_shard", "comm": "int8", "error_feedback": True},
-    ],
-    ids=["fp16-int8-owned", "hybrid-int8"],
-)
-def test_a_late_group_heals_every_kind_of_state(jobs, variant):
-    a = jobs.start(0, steps=8, pause=0.1, restarts=0, **variant)
-    deadline = time.monotonic() + 120
-    while not any(r and r[-1][0] >= 2 for r in records(jobs.out, 0).values()):  # group 0 trained a while
-        assert time.monotonic() < deadline and a.poll() is None, jobs.logs()
+def wait_for(jobs: Jobs, what, procs, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            pytest.fail(f"gave up waiting:\n{jobs.logs()}")
         time.sleep(0.2)
-    b = jobs.start(1, steps=8, pause=0.1, restarts=0, **variant)
-    assert [jobs.wait(a, 180), jobs.wait(b, 180)] == [0, 0], jobs.logs()
+
+
+def last_steps(out: Path, group: int) -> list[int]:
+    return [r[-1][0] for r in records(out, group).values() if r]
+
+
+def test_a_late_group_heals_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(jobs, lighthouse_process):
+    server, jobs.lighthouse = lighthouse_process
+    hybrid = {"strategy": "hybrid_shard", "shard_size": 1, "comm": "int8", "error_feedback": True, "mixed_precision": "bf16"}
+    cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 10, "forever": True,
+           "max_steps": 100_000, **hybrid}
+    a = jobs.start(0, **cfg)
+    wait_for(jobs, lambda: min(last_steps(jobs.out, 0), default=0) >= 2, [a])
+    b = jobs.start(1, **cfg)  # joins late: heals from group 0, rank for rank
+    saved = [jobs.out / f"g{g}-{r}.pt" for g in (0, 1) for r in (0, 1)]
+    wait_for(jobs, lambda: all(p.exists() for p in saved), [a, b])
+    time.sleep(0.5)  # (written)
     for rank in (0, 1):
         mine, twin = final(jobs.out, 0, rank), final(jobs.out, 1, rank)
-        assert twin["heal"] is not None and twin["heal"][0] >= 3
-        assert mine["residuals"] and mine["residuals"].keys() == twin["residuals"].keys()
-        for name, value in [*mine["state"].items(), *mine["residuals"].items()]:
-            other = twin["state"].get(name, twin["residuals"].get(name))
-            assert torch.equal(value, other), f"rank {rank}: the groups differ in {name}"
-        assert mine["scale"] == twin["scale"]
+        assert twin["heal"] is not None and twin["heal"][0] >= 2
+        assert any(k.startswith("residual.") for k in mine["state"])
+        differ = [n for n, v in model_state(mine).items() if not torch.equal(v, twin["state"][n])]
+        assert not differ, f"rank {rank}: the groups differ in {differ}"
+    # a group of one rank: not the others' layout, so it cannot heal; they go on
+    c = jobs.start(2, nproc=1, steps=4, restarts=0, timeout=5)
+    assert jobs.wait(c, 120) != 0
+    message = (jobs.out / "g2-error-0.txt").read_text()
+    assert message.startswith("CannotHeal") and "2 as ranks, this group 1" in message, message
+    seen = max(last_steps(jobs.out, 0))
+    wait_for(jobs, lambda: min(last_steps(jobs.out, 0) + last_steps(jobs.out, 1)) > seen + 3, [a, b])
+    os.killpg(server.pid, signal.SIGKILL)
+    lost = time.time()
+    assert jobs.wait(a, 60) != 0 and jobs.wait(b, 60) != 0  # (exited once torchft's quorum timed out)
+    for group in (0, 1):
+        for rank in (0, 1):
+            ended = jobs.out / f"g{group}-error-{rank}.txt"
+            message = ended.read_text()
+            assert message.startswith("LighthouseLost") and jobs.lighthouse in message, message
+            assert ended.stat().st_mtime - lost < 8, "the ranks did not end within seconds"
 
 
 def start_without_lighthouse(address: str):
@@ -194,36 +255,8 @@ def start_without_lighthouse(address: str):
 
 
 def test_an_unreachable_lighthouse_is_named_at_start(pools):
-    import socket
-
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         address = f"http://127.0.0.1:{s.getsockname()[1]}"
     for message, seconds in pools(2).run(start_without_lighthouse, address):
         assert address in message and seconds < 10, message
-
-
-def test_a_group_that_cannot_heal_ends_and_a_lost_lighthouse_ends_every_rank(jobs, lighthouse):
-    a = jobs.start(0, steps=10_000, pause=0.1, restarts=0, timeout=5, max_steps=100_000)
-    deadline = time.monotonic() + 120
-    while not any(r and r[-1][0] >= 2 for r in records(jobs.out, 0).values()):
-        assert time.monotonic() < deadline and a.poll() is None, jobs.logs()
-        time.sleep(0.2)
-    b = jobs.start(1, nproc=1, steps=10, restarts=0, timeout=5)  # one rank: not the layout of group 0
-    assert jobs.wait(b, 120) != 0
-    message = (jobs.out / "g1-error-0.txt").read_text()
-    assert message.startswith("CannotHeal") and "'ranks'" in message and "this group 1" in message, message
-    # group 0 goes on alone once group 1 is gone
-    seen = max(r[-1][0] for r in records(jobs.out, 0).values())
-    while min(r[-1][0] for r in records(jobs.out, 0).values()) < seen + 3:
-        assert time.monotonic() < deadline and a.poll() is None, jobs.logs()
-        time.sleep(0.2)
-    lighthouse["server"].shutdown()
-    lighthouse["server"] = None
-    lost = time.time()
-    assert jobs.wait(a, 60) != 0
-    for rank in (0, 1):
-        ended = jobs.out / f"g0-error-{rank}.txt"
-        message = ended.read_text()
-        assert message.startswith("LighthouseLost") and jobs.lighthouse in message, message
-        assert ended.stat().st_mtime - lost < 8, "the ranks did not end within seconds"

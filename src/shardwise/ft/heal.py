@@ -1,8 +1,13 @@
 """What one rank hands a rank of a joining group, and how that rank takes it: its parameter
-shards, optimizer state, persistent buffers, error feedback residuals and loss scale, by
+shards, optimizer state (hyper-parameters included), persistent buffers and loss scale, by
 name, read through the per-rank description checkpoints use (checkpoint/state.py). Nothing
 is gathered: rank r of a live group serves exactly what it holds to rank r of the joining
 group, whose layout must be the same (``layout``; ``CannotHeal`` says what differs).
+
+Error feedback residuals are not handed over: they hold what encoding dropped from the rows
+this group sent, of its own gradients, and added to another group's rows they would send that
+error twice. A healed rank starts them from zero, as a checkpoint loaded at another world size
+does.
 
 The snapshot is taken at the start of a step (``Torchft``'s quorum): parameters and optimizer
 state are served by reference (nothing changes them before the step commits, and torchft's
@@ -45,8 +50,32 @@ def fingerprint(description: dict) -> list[float]:
     return [float(v) for p in parts for v in (p, p * p)]
 
 
+def transient(rt: Runtime, scaler) -> dict[str, Any]:
+    """Copies of what forward, backward and the loss scaler change outside the optimizer's
+    step (buffers, error feedback residuals, the loss scale), taken at the start of a step,
+    after any heal, so that a step that does not commit can be undone (``restore_transient``)."""
+    return {
+        "buffers": {n: b.detach().clone() for n, b in persistent_buffers(rt.root).items()},
+        "residuals": {
+            (i, kind): t.detach().clone() for i, u in enumerate(rt.units) for kind, t in u.residuals.items()
+        },
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
+
+
+def restore_transient(rt: Runtime, scaler, kept: dict[str, Any]) -> None:
+    """Undo a step that did not commit outside the optimizer (which did not step)."""
+    with torch.no_grad():
+        for name, b in persistent_buffers(rt.root).items():
+            b.copy_(kept["buffers"][name])
+    for i, unit in enumerate(rt.units):
+        unit.residuals = {kind: t.clone() for (j, kind), t in kept["residuals"].items() if j == i}
+    if scaler is not None and kept["scaler"] is not None:
+        scaler.load_state_dict(kept["scaler"])
+
+
 def snapshot(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler) -> dict[str, Any]:
-    """This rank's state at the start of a step (see the module's docstring)."""
+    """What this rank serves a healing rank at the start of a step (the module's docstring)."""
     slots = param_slots(rt)
     by_id = {id(s.tensor): s.name for s in slots}
     return {
@@ -60,22 +89,8 @@ def snapshot(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler) -> di
             }
             for o in optimizers
         ],
-        "residuals": {
-            (i, kind): t.detach().clone() for i, u in enumerate(rt.units) for kind, t in u.residuals.items()
-        },
         "scaler": scaler.state_dict() if scaler is not None else None,
     }
-
-
-def restore_transient(rt: Runtime, scaler, snap: dict[str, Any]) -> None:
-    """Put back what a step that did not commit changed outside the optimizer: buffers,
-    residuals, the loss scale (parameters and optimizer state were not stepped)."""
-    with torch.no_grad():
-        for name, b in persistent_buffers(rt.root).items():
-            b.copy_(snap["buffers"][name])
-    _set_residuals(rt, snap["residuals"])
-    if scaler is not None and snap["scaler"] is not None:
-        scaler.load_state_dict(snap["scaler"])
 
 
 def apply(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler, state: dict[str, Any], source: str) -> None:
@@ -98,7 +113,8 @@ def apply(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler, state: d
             o.state[p] = {k: _placed(v, p, groups[name]) for k, v in st.items()}
         for g, hyper in zip(o.param_groups, saved["hyper"]):
             g.update(hyper)
-    _set_residuals(rt, state["residuals"])
+    for unit in rt.units:  # (this group's own, see the module's docstring)
+        unit.residuals = {}
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
 
@@ -111,10 +127,6 @@ def _placed(value, p: torch.Tensor, group: dict):
     on_device = value.dim() > 0 or group.get("capturable") or group.get("fused")
     return value.to(p.device if on_device else torch.device("cpu"), copy=True)
 
-
-def _set_residuals(rt: Runtime, residuals: dict) -> None:
-    for i, unit in enumerate(rt.units):
-        unit.residuals = {kind: t.clone() for (j, kind), t in residuals.items() if j == i}
 
 
 def _difference(theirs: dict, mine: dict) -> str:

@@ -74,8 +74,10 @@ class Torchft:
     replica_id: this group's name, the same on all its ranks and across its restarts.
     min_replicas: groups a step needs to commit.
     timeout: seconds for a collective across groups, a commit and a state transfer.
-    quorum_timeout: seconds a quorum may take (a dead group is dropped after the lighthouse's
-    heartbeat timeout; a slow step of another group delays the quorum as long).
+    quorum_timeout: seconds a quorum may take: a dead group is dropped after the lighthouse's
+    heartbeat timeout, a group that heartbeats but is late after its join timeout (``shardwise
+    lighthouse``: 2 s and 1 s). A lost lighthouse is named within seconds, but the process
+    exits only once torchft's quorum thread gives up, after this long.
     hostname: the address other groups reach this node at (default: this node's address on
     the route to the lighthouse).
     max_failed_steps: steps in a row that may fail to commit before ``FaultToleranceError``.
@@ -88,7 +90,7 @@ class Torchft:
         *,
         min_replicas: int = 1,
         timeout: float = 30.0,
-        quorum_timeout: float = 60.0,
+        quorum_timeout: float = 30.0,
         hostname: str | None = None,
         max_failed_steps: int = 10,
     ):
@@ -108,7 +110,8 @@ class Torchft:
         self._transport: _Transport | None = None
         self._model: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._snapshot: dict | None = None  # this rank's state at the start of the step
+        self._snapshot: dict | None = None  # what this rank serves a healing rank this step
+        self._kept: dict | None = None  # what a step that does not commit must undo
         self._in_step = False
         self._committed: bool | None = None  # the last step's vote (None: the loop skipped it)
         self._failed = 0  # steps in a row that did not commit
@@ -228,8 +231,8 @@ class Torchft:
         if not self._optimizers:
             raise ShardwiseError("wrap the optimizer first: opt = ft.optimizer(torch.optim.AdamW(...))")
         scaler = self._runtime.grad_scaler
-        if self._snapshot is not None and self._committed is False:  # the step before failed
-            heal.restore_transient(self._runtime, scaler, self._snapshot)
+        if self._kept is not None and self._committed is False:  # the step before failed
+            heal.restore_transient(self._runtime, scaler, self._kept)
         self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler)
         self._transport.failed = None
         self._quorum()
@@ -238,6 +241,7 @@ class Torchft:
                 f"rank {dist.get_rank()} of group '{self.replica_id}' is behind and could not take "
                 f"a live group's state: {self._transport.failed}"
             ) from self._transport.failed
+        self._kept = heal.transient(self._runtime, scaler)  # (after a heal: its state is the step's start)
         self._in_step, self._committed = True, None
         self._check_layout()
 
