@@ -208,7 +208,7 @@ def last_steps(out: Path, group: int) -> list[int]:
 def test_a_late_group_heals_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(jobs, lighthouse_process):
     server, jobs.lighthouse = lighthouse_process
     hybrid = {"strategy": "hybrid_shard", "shard_size": 1, "comm": "int8", "error_feedback": True, "mixed_precision": "bf16"}
-    cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 10, "forever": True,
+    cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": True,
            "max_steps": 100_000, **hybrid}
     a = jobs.start(0, **cfg)
     wait_for(jobs, lambda: min(last_steps(jobs.out, 0), default=0) >= 2, [a])
