@@ -662,7 +662,22 @@ def render_markdown(summary: dict) -> str:
     """The results table (and how it was made) as markdown."""
     c = summary["config"]
     muon = c.get("optimizer") == "muon"
-    lines = [
+    columns = _columns(c, muon)
+    return "\n".join([
+        _setup_line(summary),
+        "",
+        "| " + " | ".join(head for head, _, _ in columns) + " |",
+        "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|",
+        *("| " + " | ".join(cell(n, r) for *_, cell in columns) + " |" for n, r in summary["systems"].items()),
+        "",
+        *_notes(summary, muon),
+    ])
+
+
+def _setup_line(summary: dict) -> str:
+    """How the table was made: machine, ranks, link, model, batch, precision, rounds, date."""
+    c = summary["config"]
+    return (
         f"{summary['machine']}; {summary['world_size']} ranks"
         + (
             f" (hybrid: {summary['mesh'][0]} replicas x shard groups of {summary['mesh'][1]})"
@@ -684,9 +699,13 @@ def render_markdown(summary: dict) -> str:
         + (", every block compiled (torch.compile)" if c.get("compile") else "")
         + "; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
-        f"{summary['date']}",
-    ]
-    columns = [  # header, right-aligned, cell of (name, row)
+        f"{summary['date']}"
+    )
+
+
+def _columns(c: dict, muon: bool) -> list[tuple[str, bool, Callable[[str, dict], str]]]:
+    """The table's columns: header, right-aligned, cell of (system name, row)."""
+    columns = [
         ("system", False, lambda n, r: n),
         ("median ms", True, lambda n, r: f"{r['median_ms']:.1f}"),
         ("p25-p75 ms", True, lambda n, r: f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}"),
@@ -706,17 +725,15 @@ def render_markdown(summary: dict) -> str:
             ("opt x FSDP2", True, lambda n, r: _fmt(r["opt_x_fsdp2"], ".2f")),
             ("matrices' max abs diff vs 1 process", True, lambda n, r: _fmt(r["max_diff"], ".1e")),
         ]
-    lines += [
-        "",
-        "| " + " | ".join(head for head, _, _ in columns) + " |",
-        "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|",
-        *("| " + " | ".join(cell(n, r) for *_, cell in columns) + " |" for n, r in summary["systems"].items()),
-    ]
-    lc = summary["loss_check"]
+    return columns
+
+
+def _notes(summary: dict, muon: bool) -> list[str]:
+    """Below the table: how step time, memory and bytes were measured; the loss check."""
+    c, lc = summary["config"], summary["loss_check"]
     load = [f for r in summary["systems"].values() for f in r["others_load"]]
     redone = sum(r["redone_visits"] for r in summary["systems"].values())
-    lines += [
-        "",
+    lines = [
         (
             "Step time: the slowest rank's, over the timed steps of the visits kept ('visits'): "
             f"those during which other processes took at most {100 * c['quiet']:.0f}% of the "
@@ -742,7 +759,7 @@ def render_markdown(summary: dict) -> str:
             "optimizers on the global batches, with Muon's Newton–Schulz in fp32 in both (in "
             "bf16, rounding flips make every data-parallel run drift ~1e-3)."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def report(summary: dict, out: str) -> None:
