@@ -25,14 +25,14 @@ from .runtime import require_idle, runtime_of
 from .unit import ShardedUnit, Unit
 from .wrap import Policy
 
-Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]
+Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]  # Sharding's names
 
 
 def shard(
     module: nn.Module,
     *,
     wrap: Policy | None = None,
-    strategy: Strategy | None = None,
+    strategy: Strategy | Sharding | None = None,
     group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     shard_size: int | None = None,
@@ -94,12 +94,12 @@ def shard(
     settings = _settings(plan, wrap=wrap, strategy=strategy, cpu_offload=cpu_offload)
     if settings is not None:
         wrap, strategy = settings.wrap, settings.strategy
-    sharding = Sharding.of(strategy or "full_shard")
+    sharding = Sharding.of(strategy or Sharding.FULL_SHARD)
     if max_unsharded < 1:
         raise ShardwiseError(f"max_unsharded={max_unsharded} must be at least 1")
     _refuse_sharded(module)
     rt = build(
-        module, wrap=wrap, strategy=strategy or "full_shard", sharding=sharding, settings=settings,
+        module, wrap=wrap, sharding=sharding, settings=settings,
         group=group, mesh=mesh, shard_size=shard_size, init=init,
         precision=MixedPrecision.of(mixed_precision), cpu_offload=cpu_offload,
         max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm),
@@ -134,7 +134,7 @@ def _settings(plan, *, wrap, strategy, cpu_offload) -> Settings | None:
     clash = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != getattr(settings, k, None)]
     if clash:
         raise ShardwiseError(
-            f"shard(plan=...) applies the plan's wrap, strategy ({settings.strategy!r}) and "
+            f"shard(plan=...) applies the plan's wrap, strategy ('{settings.strategy}') and "
             f"per-unit settings, but {', '.join(clash)} was passed too: drop it, or plan again "
             "with it (shardwise.plan(..., wrap=..., strategy=...))"
         )

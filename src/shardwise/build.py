@@ -228,7 +228,6 @@ def build(
     module: nn.Module,
     *,
     wrap: Policy | None,
-    strategy: str,
     sharding: Sharding,
     settings: Settings | None,
     group: dist.ProcessGroup | None,
@@ -261,7 +260,7 @@ def build(
         for up, lay, flat, config in zip(plans, layouts, flats, configs)
     ]
     module._shardwise = rt = Runtime(
-        module, units, strategy, sharding, layout_mesh, max_unsharded, precision,
+        module, units, sharding, layout_mesh, max_unsharded, precision,
         groups.host_group(layout_mesh.whole), comm,
     )
     for kind in ("full", "selective"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 import torch
@@ -114,29 +115,47 @@ class Comm:
         return self.gather is None and self.reduce is None and self.replica is None
 
 
-@dataclass(frozen=True)
-class Sharding:
-    """What a strategy name means, as three facts (FSDP2 describes the same space with its
-    ``reshard_after_forward`` and a 1-D or 2-D mesh)."""
+class Sharding(str, Enum):
+    """A sharding strategy: its user-facing name (what ``shard(strategy=...)``, the CLI and
+    checkpoints spell) and what it means, as three facts (FSDP2 describes the same space with
+    its ``reshard_after_forward`` and a 1-D or 2-D mesh). Code asks the facts, never the name.
+
+    A ``str`` enum, so that the name is the value: it prints, serialises (JSON, checkpoint
+    metadata) and compares as the name users wrote.
+    """
 
     shard: bool  # parameters sharded over the shard group (False: whole on every rank, DDP)
     reshard_after_forward: bool  # full parameters freed after each forward, gathered again
     hybrid: bool  # replicated across shard groups: gradients all-reduced across them
 
-    @staticmethod
-    def of(strategy: str) -> Sharding:
-        if strategy not in STRATEGIES:
-            raise ShardwiseError(f"strategy={strategy!r} is not one of {tuple(STRATEGIES)}")
-        return STRATEGIES[strategy]
+    #                       name                    shard  reshard  hybrid
+    FULL_SHARD = ("full_shard", True, True, False)
+    SHARD_GRAD_OP = ("shard_grad_op", True, False, False)
+    NO_SHARD = ("no_shard", False, False, False)
+    HYBRID_SHARD = ("hybrid_shard", True, True, True)
+    HYBRID_SHARD_GRAD_OP = ("hybrid_shard_grad_op", True, False, True)
+
+    def __new__(cls, name: str, shard: bool, reshard_after_forward: bool, hybrid: bool) -> Sharding:
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.shard, member.reshard_after_forward, member.hybrid = shard, reshard_after_forward, hybrid
+        return member
+
+    __str__ = str.__str__  # the name, as a plain string would print
+    __format__ = str.__format__
+
+    @classmethod
+    def of(cls, strategy: Sharding | str) -> Sharding:
+        """The strategy a name means (the one place names are parsed)."""
+        if isinstance(strategy, Sharding):
+            return strategy
+        try:
+            return cls(strategy)
+        except ValueError:
+            raise ShardwiseError(f"strategy={strategy!r} is not one of {STRATEGIES}") from None
 
 
-STRATEGIES = {
-    "full_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=False),
-    "shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=False),
-    "no_shard": Sharding(shard=False, reshard_after_forward=False, hybrid=False),
-    "hybrid_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=True),
-    "hybrid_shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=True),
-}
+STRATEGIES = tuple(s.value for s in Sharding)  # the names, for argparse and messages
 
 
 @dataclass(frozen=True)
@@ -178,9 +197,12 @@ class Settings:
     ``UnitConfig`` per unit, by unit name ("" for the root; every unit named, innermost first).
     The planner makes one (``shardwise.plan(...).settings``); so can a user."""
 
-    strategy: str
+    strategy: Sharding  # (a name is parsed on creation)
     wrap: Callable[[object, str], bool] | None
     units: tuple[tuple[str, UnitConfig], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", Sharding.of(self.strategy))
 
     def of(self, name: str) -> UnitConfig:
         for n, c in self.units:

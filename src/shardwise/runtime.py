@@ -176,7 +176,6 @@ class Runtime:
         self,
         root: nn.Module,
         units: list[Unit],
-        strategy: str,
         sharding: Sharding,
         mesh: Mesh,
         max_unsharded: int,
@@ -189,8 +188,7 @@ class Runtime:
         self.comm = comm  # precision on the wire, for tools (the units apply it)
         self.grad_scaler = None  # a shardwise.GradScaler attaches itself here
         self.units = units  # innermost first, root last
-        self.strategy = strategy  # its name, for tools and checkpoints
-        self.sharding = sharding  # what it means
+        self.sharding = sharding  # the strategy (its name, for tools and checkpoints, is its value)
         self.mesh = mesh
         self.max_unsharded = max_unsharded
         self.sync_grads = True

@@ -34,7 +34,7 @@ from .recompute import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .data import get_batch, rank_slice
 from .models import GPT, Block, gpt_config
-from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings
+from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings, Sharding
 from .runtime import runtime_of
 from .scaler import GradScaler
 from .observer import charts, report
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if a.memory_budget and (a.cpu_offload or a.activation_checkpointing or a.strategy != defaults.strategy):
         p.error("--memory-budget chooses the strategy, checkpointing and offload: drop --strategy, "
                 "--cpu-offload and --activation-checkpointing")
-    if a.shard_size and not STRATEGIES[a.strategy].hybrid:
+    if a.shard_size and not Sharding.of(a.strategy).hybrid:
         p.error(f"--shard-size is for --strategy hybrid_shard or hybrid_shard_grad_op, not {a.strategy}")
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -199,7 +199,7 @@ class Run:
         _shard(cfg, model, wrap, chosen)
         if cfg.activation_checkpointing:
             checkpoint_activations(model, by_class(Block))
-        self.strategy = runtime_of(model).strategy
+        self.sharding = runtime_of(model).sharding
         offloaded = any(getattr(u, "offloaded", False) for u in api.units(model))
         if cfg.compile:  # after shard(): the hooks stay outside the compiled graphs
             for m in model.modules():
@@ -291,7 +291,7 @@ class Run:
         """Rank 0: the loss curve (--loss-curve) and the report of the traced steps (--report)."""
         cfg = self.cfg
         if cfg.loss_curve and self.rank == 0:
-            title = f"{cfg.model_size} GPT, {self.strategy}, {self.world} ranks"
+            title = f"{cfg.model_size} GPT, {self.sharding}, {self.world} ranks"
             charts.loss_curve(*self.curve, Path(cfg.loss_curve), title)
             print(f"wrote the loss curve to {cfg.loss_curve}", flush=True)
         if cfg.report and self.rank == 0:
@@ -320,14 +320,14 @@ class Run:
         tokens_per_step = self.global_batch * cfg.seq_len
         return {
             "config": asdict(cfg),
-            "strategy": self.strategy,  # the plan's, with --memory-budget
+            "strategy": self.sharding.value,  # the plan's, with --memory-budget
             "world_size": self.world,
             "device": str(self.device),
             "first_loss": self.first_loss,
             "final_loss": self.loss,
             "curve": self.curve,
             "rows": rows,
-            "theory": theory_bytes_per_step(self.model, self.strategy),
+            "theory": theory_bytes_per_step(self.model, self.sharding),
             "tokens_per_s": tokens_per_step / (sum(self.step_times[self.warmup - self.start :]) / measured),
         }
 

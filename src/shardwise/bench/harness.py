@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import groups
-from ..policies import Comm
+from ..policies import STRATEGIES, Comm, Sharding
 from ..codecs import FORMATS as WIRE_FORMATS
 from ..codecs import Codec
 from . import counts as bench_counts
@@ -83,21 +83,24 @@ TWO_NODE_SYSTEMS = (
     "shardwise/hybrid_shard+replica-int8",
     "shardwise/full_shard",
 )
-STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_grad_op")
 
 
-def strategy_of(system: str) -> str:
-    """The sharding strategy of a system's name ("shardwise/full_shard+owned": full_shard)."""
-    return system.partition("/")[2].partition("+")[0]
+def strategy_of(system: str) -> Sharding | None:
+    """The sharding strategy of a system's name ("shardwise/full_shard+owned": full_shard;
+    the floor and DDP: None)."""
+    name = system.partition("/")[2].partition("+")[0]
+    return Sharding.of(name) if name else None
 
 
 def is_hybrid(system: str) -> bool:
-    return strategy_of(system).startswith("hybrid")
+    strategy = strategy_of(system)
+    return strategy is not None and strategy.hybrid
 
 
 def systems_for(strategy: str) -> tuple[str, ...]:
     """The systems that ``--strategy`` compares: the floor, DDP, and both FSDPs under it."""
-    return ("floor", "ddp", *(s for s in SYSTEMS + HYBRID_SYSTEMS if strategy_of(s) == strategy))
+    sharding = Sharding.of(strategy)
+    return ("floor", "ddp", *(s for s in SYSTEMS + HYBRID_SYSTEMS if strategy_of(s) is sharding))
 
 
 MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
@@ -373,7 +376,7 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-        reshard = strategy in ("full_shard", "hybrid_shard")
+        reshard = strategy.reshard_after_forward
         for m in model.modules():
             if isinstance(m, work.block):
                 fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -553,7 +556,7 @@ def _theory(system: str, cfg: BenchConfig, results: dict) -> int:
     elif wire.startswith("replica-"):
         b_across = Codec(wire.removeprefix("replica-")).nbytes(psi) / psi
     kinds = theory(
-        strategy_of(system) or "no_shard",
+        strategy_of(system) or Sharding.NO_SHARD,  # DDP's theory is no_shard's
         psi,
         world=len(results["ranks"]),
         replicas=results["mesh"][0] if results.get("mesh") else 1,

@@ -386,7 +386,7 @@ class Trace:
             "format": FORMAT,
             "version": VERSION,
             "world_size": world,
-            "strategy": self.runtime.strategy,
+            "strategy": self.runtime.sharding.value,
             # (replicas, shard group size): gathers and reduce-scatters run within a shard
             # group, hybrid sharding's replica all-reduces across them
             "mesh": {
