@@ -5,14 +5,15 @@ settings (what a plan decides)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
 import torch
 
-from .errors import ShardwiseError
 from .codecs import FORMATS as WIRE_FORMATS
+from .codecs import Codec
+from .errors import ShardwiseError
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class Comm:
     replica: hybrid sharding's all-reduce across shard groups (the link between nodes): a
     reduce-scatter as above, then a gather of the encoded sums.
     Each is None (exact: the dtype itself), "bf16", "fp8" (e4m3, per-block scales) or "int8"
-    (per-block scales).
+    (per-block scales); ``gather_codec``, ``reduce_codec`` and ``replica_codec`` are their
+    codecs (shardwise.codecs), resolved once here.
     error_feedback: keep what encoding dropped from each gradient row this rank sent and add
     it to the next step's row, so rounding errors are delayed rather than lost (the residual
     is saved in checkpoints).
@@ -86,14 +88,18 @@ class Comm:
     reduce: str | None = None
     replica: str | None = None
     error_feedback: bool = False
+    gather_codec: Codec | None = field(init=False, repr=False, compare=False)
+    reduce_codec: Codec | None = field(init=False, repr=False, compare=False)
+    replica_codec: Codec | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        for field in ("gather", "reduce", "replica"):
-            value = getattr(self, field)
+        for kind in ("gather", "reduce", "replica"):
+            value = getattr(self, kind)
             if value is not None and value not in WIRE_FORMATS:
                 raise ShardwiseError(
-                    f"Comm({field}={value!r}): use one of {WIRE_FORMATS}, or None for exact"
+                    f"Comm({kind}={value!r}): use one of {WIRE_FORMATS}, or None for exact"
                 )
+            object.__setattr__(self, f"{kind}_codec", None if value is None else Codec(value))
 
     @staticmethod
     def of(spec: Comm | str | None) -> Comm:

@@ -25,7 +25,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import collectives as C
-from . import codecs, events
+from . import events
+from .codecs import Codec
 from .errors import ShardwiseError
 from .layout import Layout
 from .policies import Comm, MixedPrecision
@@ -116,7 +117,7 @@ class Unit:
         # outgoing gradient rows (Note [wire precision] in collectives.py); saved in checkpoints
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def _residual(self, kind: str, codec: codecs.Codec | None, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+    def _residual(self, kind: str, codec: Codec | None, numel: int, like: torch.Tensor) -> torch.Tensor | None:
         """The flat residual of ``kind`` (``numel`` zeros at first, in ``like``'s dtype and
         device) where this collective is encoded with error feedback; else None."""
         if codec is None or not self.comm.error_feedback:
@@ -184,14 +185,14 @@ class ShardedUnit(Unit):
         super().__init__(module, name, registrations, group)
         # precision on the wire; nothing leaves a rank in a group of one
         self.comm = comm or Comm()
-        self.gather_codec = codecs.codec(self.comm.gather) if self.world > 1 else None
-        self.reduce_codec = codecs.codec(self.comm.reduce) if self.world > 1 else None
+        self.gather_codec = self.comm.gather_codec if self.world > 1 else None
+        self.reduce_codec = self.comm.reduce_codec if self.world > 1 else None
         self.reshard_after_forward = reshard_after_forward  # (UnitConfig; never the root's)
         # hybrid sharding: the same-position ranks of the other shard groups, which hold the
         # same shards; gradients are all-reduced over them after the reduce-scatter
         self.replicate = replicate
         self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
-        self.replica_codec = codecs.codec(self.comm.replica) if self.replicas > 1 else None
+        self.replica_codec = self.comm.replica_codec if self.replicas > 1 else None
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
@@ -534,7 +535,7 @@ class ReplicatedUnit(Unit):
     ):
         super().__init__(module, name, registrations, group)
         self.comm = comm or Comm()
-        self.reduce_codec = codecs.codec(self.comm.reduce) if self.world > 1 else None
+        self.reduce_codec = self.comm.reduce_codec if self.world > 1 else None
         self.params = params
         storage = params[0].dtype if params else torch.float32
         self.compute_dtype = precision.compute_dtype(storage)

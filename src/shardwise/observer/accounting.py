@@ -62,9 +62,9 @@ def kept_buckets(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in kept if b is not None]
 
 
-def _wire(fmt: str | None, itemsize: int, psi: int) -> float:
+def _wire(codec: Codec | None, itemsize: int, psi: int) -> float:
     """Bytes per element sent: the dtype's, or an encoding's (blocks of the whole, scales included)."""
-    return itemsize if fmt is None else round(Codec(fmt).nbytes(psi) / max(psi, 1), 4)
+    return itemsize if codec is None else round(codec.nbytes(psi) / max(psi, 1), 4)
 
 
 def theory(
@@ -132,9 +132,9 @@ def theory_bytes_per_step(model: nn.Module, strategy: Sharding | str) -> dict:
     s = dist.get_world_size(u.group)
     r = dist.get_world_size(runtime.mesh.replicate) if runtime.mesh.replicate is not None else 1
     comm = runtime.comm
-    b_gather = _wire(comm.gather, u.compute_dtype.itemsize, psi)
-    b_reduce = _wire(comm.reduce, u.reduce_dtype.itemsize, psi)
-    b_across = _wire(comm.replica, u.reduce_dtype.itemsize, psi)
+    b_gather = _wire(comm.gather_codec, u.compute_dtype.itemsize, psi)
+    b_reduce = _wire(comm.reduce_codec, u.reduce_dtype.itemsize, psi)
+    b_across = _wire(comm.replica_codec, u.reduce_dtype.itemsize, psi)
     strategy = Sharding.of(strategy)
     kept = _kept_gathered(model) if strategy.reshard_after_forward else 0
     kinds = theory(
