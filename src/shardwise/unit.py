@@ -25,10 +25,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import collectives as C
-from . import events
+from . import events, placement
 from .codecs import Codec
 from .errors import ShardwiseError
-from .layout import Layout
+from .layout import Layout, Slot
 from .policies import Comm, MixedPrecision
 from .streams import Streams
 
@@ -503,14 +503,11 @@ class ShardedUnit(Unit):
             self.flat_shard.copy_(row)
 
 
-def shard_param(view: torch.Tensor, requires_grad: bool, slot, world: int) -> nn.Parameter:
-    """The parameter the optimizer steps for one slot on this rank, marked with its placement
-    (shardwise.placement reads the marks): owned, or a matrix split in rows across ranks."""
+def shard_param(view: torch.Tensor, requires_grad: bool, slot: Slot, world: int) -> nn.Parameter:
+    """The parameter the optimizer steps for one slot on this rank, with its placement
+    recorded (``placement.of``)."""
     p = nn.Parameter(view, requires_grad=requires_grad)
-    if slot.owned:
-        p._shardwise_owned = True
-    elif len(slot.shape) == 2 and world > 1:
-        p._shardwise_split = slot.name  # a matrix whose rows are split across ranks
+    placement.mark(p, slot, world)
     return p
 
 
