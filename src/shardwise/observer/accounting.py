@@ -198,8 +198,13 @@ def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return rows
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """A dtype as tools show it ("float32"); None stays None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def _short(dtype: torch.dtype | None) -> str:
-    return str(dtype).removeprefix("torch.") if dtype is not None else "-"
+    return dtype_name(dtype) or "-"
 
 
 def _on_wire(codec: Codec | None, dtype: torch.dtype) -> str:
