@@ -18,6 +18,7 @@ leaves ``.grad`` on the shards.
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import weakref
 from collections.abc import Callable
@@ -558,7 +559,7 @@ def _reverse_module_order(root: nn.Module, units: list[Unit]) -> list[Unit]:
 def _successors(order: list[Unit]) -> dict[Unit, Unit]:
     """Each unit's successor at its first appearance in ``order``."""
     nxt: dict[Unit, Unit] = {}
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         if a is not b:
             nxt.setdefault(a, b)
     return nxt

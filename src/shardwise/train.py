@@ -30,17 +30,17 @@ import torch.distributed as dist
 
 from . import api, checkpoint, groups
 from . import collectives as C
-from .recompute import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
 from .data import get_batch, rank_slice
 from .models import GPT, Block, gpt_config
-from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings, Sharding
-from .runtime import runtime_of
-from .scaler import GradScaler
 from .observer import charts, report
 from .observer.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
-from .planner.plan import plan
 from .observer.trace import trace
+from .planner.plan import plan
+from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings, Sharding
+from .recompute import checkpoint_activations
+from .runtime import runtime_of
+from .scaler import GradScaler
 from .wrap import by_class, by_size
 
 

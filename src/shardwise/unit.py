@@ -45,13 +45,13 @@ class NotGathered(torch.Tensor):
 
     _shardwise_name: str
     _shardwise_unit: str
-    _METADATA = {
+    _METADATA = frozenset({
         "shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "size", "dim", "numel",
         "layout", "stride", "storage_offset", "is_contiguous", "is_floating_point", "element_size",
         "itemsize", "nbytes", "untyped_storage", "data_ptr", "is_leaf", "grad", "grad_fn", "_base",
         "is_sparse", "is_quantized", "is_nested", "is_cuda", "is_cpu", "register_hook",
         "register_post_accumulate_grad_hook", "__hash__", "__eq__",
-    }
+    })
 
     @staticmethod
     def make(shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str, requires_grad: bool) -> NotGathered:

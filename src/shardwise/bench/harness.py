@@ -44,13 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import groups
-from ..policies import STRATEGIES, Comm, Sharding
 from ..codecs import FORMATS as WIRE_FORMATS
 from ..codecs import Codec
-from . import counts as bench_counts
-from . import machine
 from ..observer import charts
 from ..observer.accounting import theory
+from ..policies import STRATEGIES, Comm, Sharding
+from . import counts as bench_counts
+from . import machine
 from .optimizers import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks

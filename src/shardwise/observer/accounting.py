@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..api import units
+from ..codecs import Codec
 from ..collectives import step_check_nbytes
 from ..policies import Sharding
-from ..codecs import Codec
 from ..runtime import runtime_of
 from ..unit import ReplicatedUnit, ShardedUnit
 

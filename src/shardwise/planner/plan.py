@@ -35,16 +35,16 @@ from .. import placement as placements
 from ..activation_offload import is_activation
 from ..api import shard
 from ..build import select_units
-from ..recompute import checkpoint_activations
 from ..errors import ShardwiseError
+from ..observer.allocations import _FakeAllocations
+from ..observer.trace import trace, when
 from ..placement import Placement
 from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
+from ..recompute import checkpoint_activations
 from ..scaler import GradScaler
 from ..wrap import Policy
 from . import budget as search
-from ..observer.allocations import _FakeAllocations
 from .costs import rates as measured_rates
-from ..observer.trace import trace, when
 
 STRATEGIES = tuple(s.value for s in Sharding if not s.hybrid)  # side by side unless one is named
 HYBRID = tuple(s.value for s in Sharding if s.hybrid)  # planned when named, with shard_size
@@ -447,7 +447,7 @@ def _one_plan_for_all(plan_here: Callable[..., Plan]) -> Callable[..., Plan]:
         if dist.get_rank() == 0:
             try:
                 box[0] = (True, plan_here(*args, **kwargs))
-            except Exception as exc:  # noqa: BLE001 (every rank raises it, below)
+            except Exception as exc:
                 failure = exc
                 box[0] = (False, f"{type(exc).__name__}: {exc}")
         collectives.blocking("broadcast", "plan", dist.broadcast_object_list, box, src=0)
