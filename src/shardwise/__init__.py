@@ -7,7 +7,7 @@
     opt = torch.optim.AdamW(model.parameters())        # sees only this rank's shards
 """
 
-import importlib
+from typing import TYPE_CHECKING
 
 from . import moved, placement, wrap
 from .api import (
@@ -39,6 +39,11 @@ from .groups import init
 from .policies import Comm, MixedPrecision, Settings, UnitConfig
 from .recompute import checkpoint_activations
 from .scaler import GradScaler
+
+if TYPE_CHECKING:  # what type checkers and editors see of the names loaded lazily below
+    from .observer.accounting import dtype_table, held_bytes
+    from .observer.trace import trace
+    from .planner.plan import plan
 
 # the planner and the observer load when first used, not with the library
 _LAZY = {
@@ -94,7 +99,9 @@ moved.install()
 
 def __getattr__(name: str):
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        from importlib import import_module
+
+        value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value  # once: later lookups find it here
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

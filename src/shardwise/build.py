@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as C
 from . import groups, optimizer_guard, streams
@@ -26,6 +27,7 @@ from .layout import Layout, Slot
 from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
 from .recompute import checkpoint_activations
 from .runtime import Runtime
+from .streams import Streams
 from .unit import Registration, ReplicatedUnit, ShardedUnit, Unit, shard_param
 from .wrap import CONTAINERS, Policy
 
@@ -231,7 +233,7 @@ def build(
     sharding: Sharding,
     settings: Settings | None,
     group: dist.ProcessGroup | None,
-    mesh,
+    mesh: DeviceMesh | None,
     shard_size: int | None,
     init: Callable[[nn.Module], None] | None,
     precision: MixedPrecision,
@@ -370,7 +372,7 @@ def _unit(
     device: torch.device,
     precision: MixedPrecision,
     comm: Comm,
-    side_streams,
+    side_streams: Streams | None,
 ) -> Unit:
     """One unit over its filled flat shard; the parameters it replaces are retired."""
     rg = [p.requires_grad for p in up.params]
