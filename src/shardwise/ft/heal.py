@@ -36,7 +36,7 @@ def layout(rt: Runtime, optimizers: list[torch.optim.Optimizer], slots: list[Par
     return {
         "ranks": dist.get_world_size(),
         "rank": dist.get_rank(),
-        "strategy": rt.strategy,
+        "strategy": rt.sharding.value,
         "params": [(s.name, s.shape, s.held, s.elsewhere, str(s.tensor.dtype)) for s in slots],
         "optimizers": [(type(o).__name__, optimizer_names(o, slots)) for o in optimizers],
     }

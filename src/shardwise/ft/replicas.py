@@ -297,7 +297,7 @@ class Torchft:
             raise CannotHeal(
                 f"group '{self.replica_id}' does not shard the model as the other groups in the "
                 f"quorum do (rank {dist.get_rank()} of {dist.get_world_size()}, strategy "
-                f"'{self._runtime.strategy}'). {heal._FIX}"
+                f"'{self._runtime.sharding.value}'). {heal._FIX}"
             )
 
     def commit(self) -> bool:
