@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from outer_groups import build, forward_backward, options_of, rank_state, residuals  # noqa: E402
+from outer_groups import build, forward_backward, options_of, rank_state, residuals
 
-import shardwise  # noqa: E402
-import shardwise.ft  # noqa: E402
+import shardwise
+import shardwise.ft
 
 
 def main(cfg: dict) -> None:

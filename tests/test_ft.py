@@ -18,6 +18,7 @@ Skips, naming the extra, where torchft is not installed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -33,8 +34,8 @@ import pytest
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers (here and in the jobs) log every quorum
 pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip install -e '.[ft]'")
 
-import torch  # noqa: E402
-from outer_groups import replay  # noqa: E402
+import torch
+from outer_groups import replay
 
 HERE = Path(__file__).resolve().parent
 
@@ -142,7 +143,7 @@ def check_steps(rec: list) -> None:
     """A run's committed steps follow each other; a step that failed is tried again."""
     committed = [step for step, _, done, _ in rec if done]
     assert committed == list(range(committed[0], committed[0] + len(committed))), committed
-    for (step, _, done, _), (after, *_) in zip(rec, rec[1:]):
+    for (step, _, done, _), (after, *_) in itertools.pairwise(rec):
         assert after == (step + 1 if done else step), rec
 
 
@@ -241,9 +242,10 @@ def test_a_late_group_heals_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_
 
 
 def start_without_lighthouse(address: str):
+    from nets import make
+
     import shardwise
     import shardwise.ft
-    from nets import make
 
     ft = shardwise.ft.Torchft(lighthouse=address, replica_id="g0", timeout=2)
     t0 = time.monotonic()

@@ -21,7 +21,6 @@ from outer_groups import (
 )
 
 import shardwise
-from shardwise import ShardwiseError
 
 # which of the 2 groups take part in each step: both, then one, the other, both
 RECORD = [[0, 1], [0, 1], [0], [1], [0, 1], [0, 1]]

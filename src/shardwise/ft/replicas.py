@@ -38,13 +38,13 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from .. import collectives as C
 from .. import groups
-from ..errors import ShardwiseError
 from ..checkpoint.state import param_slots
+from ..errors import ShardwiseError
 from ..runtime import runtime_of
 from . import heal
+from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
 from .lighthouse import local_address, reachable
 from .lighthouse import url as lighthouse_url
-from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
 
 log = logging.getLogger(__name__)
 
