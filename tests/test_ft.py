@@ -262,3 +262,26 @@ def test_an_unreachable_lighthouse_is_named_at_start(pools):
         address = f"http://127.0.0.1:{s.getsockname()[1]}"
     for message, seconds in pools(2).run(start_without_lighthouse, address):
         assert address in message and seconds < 10, message
+
+
+def test_shardwise_train_with_fault_tolerance(tmp_path, lighthouse):
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
+             "shardwise", "train", "--fault-tolerance", "--replica-id", f"node{g}", "--model-size", "tiny",
+             "--steps", "6", "--save-every", "3", "--checkpoint-dir", str(tmp_path / "ck")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        for g in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, out in zip(procs, outputs):  # (whether they overlapped depends on when each started)
+        assert p.returncode == 0 and "bytes sent per rank per step" in out, out[-3000:]
+    for g in (0, 1):  # each group keeps its own checkpoints, which --resume reads
+        assert (tmp_path / "ck" / f"node{g}" / "step-00000006" / "COMMITTED").exists()

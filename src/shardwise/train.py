@@ -19,9 +19,12 @@ import functools
 import importlib.util
 import math
 import os
+import socket
 import sys
 import time
 import warnings
+import zlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -74,6 +77,11 @@ class TrainConfig:
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
     report: str = ""  # trace the last steps and write this HTML report (with its traces beside it)
     loss_curve: str = ""  # draw the loss at each logged step into this PNG (needs matplotlib)
+    # this job is one replica group of a fault-tolerant run on torchft (shardwise.ft): the
+    # lighthouse (default $TORCHFT_LIGHTHOUSE) and the group's name (default: the host's)
+    fault_tolerance: bool = False
+    lighthouse: str = ""
+    replica_id: str = ""
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -112,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                    help="trace the last 3 steps; write this HTML report (default report.html)")
     p.add_argument("--loss-curve", nargs="?", const="loss.png", default=defaults.loss_curve,
                    help="draw the loss curve into this PNG (default loss.png; needs matplotlib)")
+    p.add_argument("--fault-tolerance", action="store_true",
+                   help="this job is one replica group on torchft: a lost group is dropped while the others go "
+                   "on, and heals from them when it comes back (pip install 'shardwise[ft]')")
+    p.add_argument("--lighthouse", default=defaults.lighthouse, help="torchft's lighthouse (default $TORCHFT_LIGHTHOUSE)")
+    p.add_argument("--replica-id", default=defaults.replica_id, help="this group's name (default: the host name)")
     a = p.parse_args(argv)
     if a.loss_curve and not charts.available():
         p.error(f"--loss-curve needs matplotlib: {charts.INSTALL}")
@@ -171,6 +184,8 @@ def worker(cfg: TrainConfig) -> dict:
     if run.rank == 0:
         print(render_summary(summary), flush=True)
     C.blocking("barrier", "end of training", dist.barrier)
+    if run.ft is not None:
+        run.ft.shutdown()
     return summary
 
 
@@ -196,7 +211,8 @@ class Run:
         torch.manual_seed(cfg.seed)
         with torch.device("meta"):
             self.model = model = GPT(mcfg)
-        _shard(cfg, model, wrap, chosen)
+        self.ft = _replica_groups(cfg) if cfg.fault_tolerance else None
+        _shard(cfg, model, wrap, chosen, self.ft)
         if cfg.activation_checkpointing:
             checkpoint_activations(model, by_class(Block))
         self.sharding = runtime_of(model).sharding
@@ -211,7 +227,11 @@ class Run:
             model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
             **({"fused": True} if offloaded else {}),
         )
-        self.start = _resume(cfg, model, self.opt, self.scaler, self.global_batch) if cfg.resume else 0
+        # what steps the optimizer: it, or under fault tolerance it once the step commits
+        self.stepper = self.ft.optimizer(self.opt) if self.ft else self.opt
+        # each replica group reads its own data
+        self.seed = cfg.seed + (zlib.crc32(self.ft.replica_id.encode()) if self.ft else 0)
+        self.start = _resume(cfg, model, self.opt, self.scaler, self.global_batch, self.ft) if cfg.resume else 0
         # what the run measures
         self.curve: tuple[list[int], list[float]] = ([], [])  # the logged steps and their losses
         self.step_times: list[float] = []
@@ -224,7 +244,7 @@ class Run:
     def step(self, step: int) -> torch.Tensor:
         """One optimizer step on this rank's slice of the step's global batch; the loss."""
         cfg, model, opt, scaler = self.cfg, self.model, self.opt, self.scaler
-        x, y = get_batch(step, self.global_batch, cfg.seq_len, seed=cfg.seed)
+        x, y = get_batch(step, self.global_batch, cfg.seq_len, seed=self.seed)
         x, y = rank_slice(x, self.rank, self.world).to(self.device), rank_slice(y, self.rank, self.world).to(self.device)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
@@ -236,15 +256,25 @@ class Run:
             if scaler:
                 scaler.unscale_(opt)
             api.clip_grad_norm_(model, 1.0)
-            scaler.step(opt) if scaler else opt.step()
+            scaler.step(self.stepper) if scaler else self.stepper.step()
             if scaler:
                 scaler.update()
         if tracker is not None:
             self.peak = _peak_by_category(tracker)
         if step == cfg.steps - 1:
             self.held = held_bytes(model, opt)  # with this step's gradients still present
-        opt.zero_grad(set_to_none=True)
+        self.stepper.zero_grad(set_to_none=True)  # (under fault tolerance: joins the next step's quorum)
         return out
+
+    def _steps(self) -> Iterator[int]:
+        """The steps to take; under fault tolerance the committed step from the quorum, again
+        where a step did not commit."""
+        if self.ft is None:
+            yield from range(self.start, self.cfg.steps)
+            return
+        self.stepper.zero_grad(set_to_none=True)  # joins the first quorum (and heals)
+        while self.ft.step < self.cfg.steps:
+            yield self.ft.step
 
     def train(self) -> None:
         """Every step from ``start``: timed, logged, checkpointed every ``save_every``, and the
@@ -253,7 +283,7 @@ class Run:
         bar = Progress(cfg.steps, self.start, enabled=self.rank == 0)
         saving = None
         tracing = contextlib.ExitStack()  # --report: the last steps run traced
-        for step in range(self.start, cfg.steps):
+        for step in self._steps():
             if step == self.warmup:
                 reset_comm_stats()
             if cfg.report and step == max(self.start, cfg.steps - 3):
@@ -265,11 +295,12 @@ class Run:
             self.step_times.append(time.perf_counter() - t0)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 self._log(step, out, bar)
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            committed = self.ft is None or self.ft.step > step
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and committed:
                 # written in the background while training goes on; the next save waits for it
                 saving = checkpoint.save(
-                    os.path.join(cfg.checkpoint_dir, f"step-{step + 1:08d}"), self.model, self.opt,
-                    step=step + 1, extra=_resume_state(cfg, self.global_batch, self.scaler), async_=True,
+                    os.path.join(_checkpoint_dir(cfg, self.ft), f"step-{step + 1:08d}"), self.model, self.opt,
+                    step=step + 1, extra=_resume_state(cfg, self.global_batch, self.scaler, self.ft), async_=True,
                 )
         if saving is not None:
             saving.wait()
@@ -312,6 +343,7 @@ class Run:
             "reduce_scatter": per_step["reduce_scatter"],
             "all_reduce": per_step["all_reduce"],
             "replica_all_reduce": per_step["replica_all_reduce"],
+            "outer_all_reduce": per_step["outer_all_reduce"],
             "peak": self.peak,
             "step_ms": 1000 * sorted(timed)[len(timed) // 2],
         }
@@ -332,11 +364,11 @@ class Run:
         }
 
 
-def _shard(cfg: TrainConfig, model: torch.nn.Module, wrap, chosen: Settings | None) -> None:
+def _shard(cfg: TrainConfig, model: torch.nn.Module, wrap, chosen: Settings | None, ft) -> None:
     """``shard()`` as the options say: the plan's settings with --memory-budget."""
     wire = replace(Comm.of(cfg.comm), error_feedback=cfg.error_feedback)
     if chosen is not None:
-        api.shard(model, plan=chosen, mixed_precision=cfg.mixed_precision, comm=wire)
+        api.shard(model, plan=chosen, mixed_precision=cfg.mixed_precision, comm=wire, fault_tolerance=ft)
     else:
         api.shard(
             model,
@@ -346,7 +378,23 @@ def _shard(cfg: TrainConfig, model: torch.nn.Module, wrap, chosen: Settings | No
             mixed_precision=cfg.mixed_precision,
             cpu_offload=cfg.cpu_offload,
             comm=wire,
+            fault_tolerance=ft,
         )
+
+
+def _replica_groups(cfg: TrainConfig):
+    """--fault-tolerance: this job as one replica group on the lighthouse (shardwise.ft)."""
+    import shardwise.ft  # the [ft] extra, imported only here
+
+    lighthouse = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not lighthouse:
+        raise SystemExit("--fault-tolerance needs torchft's lighthouse: --lighthouse http://HOST:PORT or $TORCHFT_LIGHTHOUSE")
+    return shardwise.ft.Torchft(lighthouse=lighthouse, replica_id=cfg.replica_id or socket.gethostname())
+
+
+def _checkpoint_dir(cfg: TrainConfig, ft) -> str:
+    """Where this job's checkpoints go: with fault tolerance each group keeps its own."""
+    return os.path.join(cfg.checkpoint_dir, ft.replica_id) if ft else cfg.checkpoint_dir
 
 
 def _global_batch(cfg: TrainConfig, world: int) -> int:
@@ -362,23 +410,27 @@ def _global_batch(cfg: TrainConfig, world: int) -> int:
     return cfg.global_batch_size
 
 
-def _resume_state(cfg: TrainConfig, global_batch: int, scaler: GradScaler | None) -> dict:
+def _resume_state(cfg: TrainConfig, global_batch: int, scaler: GradScaler | None, ft=None) -> dict:
     """What a checkpoint needs besides tensors: the data stream's definition (a batch is a
-    pure function of step, seed, global batch and sequence length) and the loss scaler."""
+    pure function of step, seed, global batch and sequence length), the loss scaler and,
+    under fault tolerance, the committed step count."""
     return {
         "data": {"seed": cfg.seed, "global_batch": global_batch, "seq_len": cfg.seq_len},
         "model_size": cfg.model_size,
         "scaler": scaler.state_dict() if scaler else None,
+        "ft": ft.state_dict() if ft else None,
     }
 
 
-def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, global_batch: int) -> int:
-    """Load the newest complete checkpoint in ``cfg.checkpoint_dir`` (model, optimizer, each
-    rank's RNG, the loss scaler); return the step to continue from (0 when there is none)."""
-    path = checkpoint.latest(cfg.checkpoint_dir)
+def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, global_batch: int, ft=None) -> int:
+    """Load the newest complete checkpoint in this job's checkpoint directory (model,
+    optimizer, each rank's RNG, the loss scaler, the committed step count); return the step
+    to continue from (0 when there is none)."""
+    where = _checkpoint_dir(cfg, ft)
+    path = checkpoint.latest(where)
     if path is None:
         if dist.get_rank() == 0:
-            print(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; starting at step 0", flush=True)
+            print(f"--resume: no complete checkpoint in {where}; starting at step 0", flush=True)
         return 0
     info = checkpoint.load(path, model, opt)
     saved, now = info.extra, _resume_state(cfg, global_batch, scaler)
@@ -390,6 +442,8 @@ def _resume(cfg: TrainConfig, model, opt, scaler: GradScaler | None, global_batc
         )
     if scaler is not None and saved["scaler"] is not None:
         scaler.load_state_dict(saved["scaler"])
+    if ft is not None and saved.get("ft"):
+        ft.load_state_dict(saved["ft"])
     if dist.get_rank() == 0:
         rng = "restored" if info.rng_restored else f"not restored (saved at {info.world_size} ranks)"
         print(f"resumed from {path} at step {info.step}; RNG {rng}", flush=True)
@@ -518,5 +572,11 @@ def render_summary(s: dict) -> str:
             f"{theory['within'] / 2**20:.2f} MiB, measured {_mib(max(within)).strip()} MiB; across the "
             f"replicas (R = {theory['replicas']}) theory {theory['across'] / 2**20:.2f} MiB, "
             f"measured {_mib(max(across)).strip()} MiB (the most any rank sent)"
+        )
+    outer = [r.get("outer_all_reduce", 0) for r in rows]
+    if any(outer):
+        lines.append(
+            f"  across replica groups (--fault-tolerance, torchft): {_mib(max(outer)).strip()} MiB per step "
+            "(the most any rank sent; each rank averages its gradient shard with its peers in the other groups)"
         )
     return "\n".join(lines)

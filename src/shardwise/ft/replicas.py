@@ -128,6 +128,14 @@ class Torchft:
         """Replica groups in the current quorum."""
         return self._manager.num_participants() if self._manager is not None else 0
 
+    def state_dict(self) -> dict[str, int]:
+        """The committed step (and torchft's count of batches): save it with a checkpoint."""
+        return self._manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the step count of a checkpoint (``state_dict``) before the first step."""
+        self._manager.load_state_dict(state)
+
     def optimizer(self, *optimizers: torch.optim.Optimizer) -> FaultTolerantOptimizer:
         """Wrap the model's optimizers (e.g. Muon and AdamW): ``zero_grad`` joins the quorum,
         ``step`` commits or skips. Call once, after ``shard(..., fault_tolerance=self)``."""
