@@ -51,20 +51,28 @@ class Link:
 
     def agent(
         self, node: int, nproc: int, args: Sequence[str], *, port: int = 29531, run_id: str = "shardwise",
-        log: Path | None = None, env: dict | None = None,
+        log: Path | None = None, env: dict | None = None, max_restarts: int = 0,
     ) -> subprocess.Popen:
         """One torchrun agent of ``nproc`` ranks on node ``node`` running ``python args``, in
-        the node's namespace with Gloo bound to its veth."""
+        the node's namespace with Gloo bound to its veth (a job across both nodes)."""
         cmd = [
-            "ip", "netns", "exec", self.namespaces[node], sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "2", "--nproc_per_node", str(nproc), "--max_restarts", "0",
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2", "--nproc_per_node", str(nproc), "--max_restarts", str(max_restarts),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.addresses[0]}:{port}", "--rdzv_id", run_id,
             "--rdzv_conf", f"is_host={int(node == 0)}", "--local_addr", self.addresses[node],
             *args,
         ]
+        return self.run(node, cmd, log=log, env=env)
+
+    def run(self, node: int, cmd: Sequence[str], *, log: Path | None = None, env: dict | None = None) -> subprocess.Popen:
+        """``cmd`` in node ``node``'s namespace, with Gloo bound to its veth (e.g. a torchrun
+        job of its own on that node)."""
         out = open(log, "w") if log is not None else None  # noqa: SIM115 (the child holds it)
         env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.devices[node]}
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[node], *cmd], env=env, stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
 
 
 @contextlib.contextmanager
