@@ -15,7 +15,7 @@ import shardwise
 from shardwise import moved
 
 SRC = Path(shardwise.__file__).resolve().parent
-EDGES = ("shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.train")
+EDGES = ("shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.train", "shardwise.ft")
 
 
 def _fresh(code: str):
@@ -27,13 +27,13 @@ def _fresh(code: str):
 def test_import_loads_the_core_only_and_the_tools_on_first_use():
     before, after = _fresh(
         "import json, sys, shardwise\n"
-        "mods = lambda: sorted(m for m in sys.modules if m.startswith('shardwise'))\n"
+        "mods = lambda: sorted(m for m in sys.modules if m.startswith(('shardwise', 'torchft')))\n"
         "before = mods()\n"
         "shardwise.plan, shardwise.trace, shardwise.dtype_table, shardwise.held_bytes\n"
         "print(json.dumps([before, mods()]))\n"
     )
     assert "shardwise.api" in before and "shardwise.checkpoint" in before
-    assert [m for m in before if m.startswith(EDGES)] == []
+    assert [m for m in before if m.startswith((*EDGES, "torchft"))] == []
     assert {"shardwise.planner.plan", "shardwise.observer.trace", "shardwise.observer.accounting"} <= set(after)
 
 

@@ -63,9 +63,9 @@ def shard(
     how many units (besides the root) full_shard keeps gathered at once, prefetch included.
 
     mixed_precision: "bf16" / "fp16" (16-bit gather and compute, fp32 gradient reduction) or a
-    ``MixedPrecision``; shards and optimizer state stay in the parameters' dtype. fp16 needs a
-    ``shardwise.GradScaler``. cpu_offload: shards, their gradients and so the optimizer state
-    live in host memory; each unit is copied to the device just before its gather.
+    ``MixedPrecision``; shards and optimizer state stay in the parameters' dtype (fp16 needs a
+    ``shardwise.GradScaler``). cpu_offload: shards, their gradients and optimizer state live in
+    host memory; each unit is copied to the device just before its gather.
 
     placement: ``callable(name, param) -> "rows" | "owned"`` for the parameters of wrapped
     units (default: all rows). An owned parameter is held whole by one rank, which then holds
@@ -82,18 +82,13 @@ def shard(
 
     plan: what ``shardwise.plan(..., budget=...)`` chose (a ``Plan`` or its ``.settings``, a
     ``policies.Settings``): its wrap policy, strategy and per-unit settings are applied as
-    they are (``UnitConfig``: reshard after forward, activation checkpointing, offload of
-    the unit's state and of its activations), so
-    what was predicted is what runs. ``wrap``, ``strategy`` and ``cpu_offload`` then come from
-    the plan and must not be passed as well.
+    they are (``UnitConfig``: reshard after forward, activation checkpointing, offload of the
+    unit's state and of its activations), so what was predicted is what runs. ``wrap``,
+    ``strategy`` and ``cpu_offload`` then come from the plan and must not be passed as well.
 
     init_from: a standard safetensors model (a ``model.safetensors`` file, a Hugging Face
     index, or a directory holding either) whose values replace the initial ones, each rank
-    reading only its rows (``shardwise.load_full``).
-
-    fault_tolerance: replica groups outside this job that train the same model rank for rank
-    (``shardwise.ft.Torchft``, or any ``outer.ReplicaGroups``): each unit's gradient shard is
-    averaged across the groups taking part in the step once the job's own reduction is done.
+    reading only its rows (``shardwise.load_full``). fault_tolerance: ``shardwise.ft.Torchft``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
@@ -104,24 +99,27 @@ def shard(
     if max_unsharded < 1:
         raise ShardwiseError(f"max_unsharded={max_unsharded} must be at least 1")
     _refuse_sharded(module)
+    rt = build(
+        module, wrap=wrap, sharding=sharding, settings=settings,
+        group=group, mesh=mesh, shard_size=shard_size, init=init,
+        precision=MixedPrecision.of(mixed_precision), cpu_offload=cpu_offload,
+        max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm), outer=_replica_groups(fault_tolerance),
+    )
+    optimizer_guard.watch(rt)
+    if init_from is not None:
+        load_full(module, init_from)
+    return module
+
+
+def _replica_groups(fault_tolerance):
+    """``shard(fault_tolerance=...)``, checked: replica groups outside the job, or None."""
     if fault_tolerance is not None and not isinstance(fault_tolerance, ReplicaGroups):
         raise ShardwiseError(
             f"fault_tolerance={type(fault_tolerance).__name__} is not replica groups: pass a "
             "shardwise.ft.Torchft(lighthouse=..., replica_id=...) (or an object with attach, "
             "all_reduce and size: shardwise.outer.ReplicaGroups)"
         )
-    rt = build(
-        module, wrap=wrap, sharding=sharding, settings=settings,
-        group=group, mesh=mesh, shard_size=shard_size, init=init,
-        precision=MixedPrecision.of(mixed_precision), cpu_offload=cpu_offload,
-        max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm), outer=fault_tolerance,
-    )
-    optimizer_guard.watch(rt)
-    if init_from is not None:
-        load_full(module, init_from)
-    if fault_tolerance is not None:
-        fault_tolerance.attach(module)
-    return module
+    return fault_tolerance
 
 
 def _refuse_sharded(module: nn.Module) -> None:

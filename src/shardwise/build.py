@@ -274,6 +274,8 @@ def build(
     offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
     if offloaded:
         rt.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
+    if outer is not None:
+        outer.attach(module)  # (replica groups outside the job: healing reads the runtime)
     return rt
 
 
