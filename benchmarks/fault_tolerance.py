@@ -92,14 +92,17 @@ def worker(cfg: dict) -> None:
             break
         t0 = time.time()
         opt.zero_grad(set_to_none=True)
+        t1 = time.time()
         step = ft.step if ft else step
         x, y = get_batch(step, rows, cfg["seq_len"], seed=seed)
         model(rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+        t2 = time.time()
         opt.step()
         committed = ft.step > step if ft else True
         participants = ft.participants if ft else 2
         together = (together + 1 if participants == 2 else 0) if committed else together
-        record = {"t0": t0, "t": time.time(), "step": step, "P": participants, "committed": committed}
+        record = {"t0": t0, "t": time.time(), "step": step, "P": participants, "committed": committed,
+                  "zero_grad_s": t1 - t0, "backward_s": t2 - t1}
         if ft and ft.last_heal is not None and healed is None:
             healed = ft.last_heal
             record["heal"] = {"step": healed.step, "bytes": healed.bytes, "seconds": healed.seconds}
@@ -112,7 +115,8 @@ def worker(cfg: dict) -> None:
                 saving = shardwise.save(out / "ckpt" / f"step-{step:08d}", model, inner, step=step, async_=True)
     if saving is not None:
         saving.wait()
-    final = {"step": step, "hash": _state_hash(model, inner), "shard_bytes": _held(model, inner)}
+    waits = {k: round(v.wait_seconds, 3) for k, v in shardwise.comm_stats().items() if v.calls}
+    final = {"step": step, "hash": _state_hash(model, inner), "shard_bytes": _held(model, inner), "wait_s": waits}
     if healed is not None:
         final["heal"] = {"step": healed.step, "bytes": healed.bytes, "seconds": healed.seconds}
     (out / f"final-{name}-r{rank}.json").write_text(json.dumps(final))
@@ -325,8 +329,10 @@ def today(nodes: Nodes, warm: int) -> dict:
     nodes.job("plain", None, restarts=1)
     import shardwise
 
-    nodes.wait(lambda: nodes.last_step("plain") >= warm and shardwise.latest(nodes.out / "ckpt"), 600,
-               f"{warm} steps and a checkpoint")
+    # killed half-way between two checkpoints: on average that many steps are redone
+    kill_at = max(warm, save_every + save_every // 2) if save_every else warm
+    nodes.wait(lambda: nodes.last_step("plain") >= kill_at and shardwise.latest(nodes.out / "ckpt"), 600,
+               f"{kill_at} steps and a checkpoint")
     reached = nodes.last_step("plain")
     t_kill = nodes.kill("plain", 1, node=1)
     nodes.wait(lambda: any(e["step"] > reached + 1 for ev in nodes.runs_after("plain", t_kill) for e in ev), 900,
