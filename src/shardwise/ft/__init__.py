@@ -15,6 +15,11 @@ commit), heal (what a rank serves and takes), lighthouse (the quorum server, ``s
 lighthouse``), errors.
 """
 
+import os
+
+# torchft's servers log every quorum at INFO; RUST_LOG=info shows them again
+os.environ.setdefault("RUST_LOG", "warn")
+
 try:
     import torchft  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment

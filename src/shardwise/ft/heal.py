@@ -74,12 +74,13 @@ def restore_transient(rt: Runtime, scaler, kept: dict[str, Any]) -> None:
         scaler.load_state_dict(kept["scaler"])
 
 
-def snapshot(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler) -> dict[str, Any]:
-    """What this rank serves a healing rank at the start of a step (the module's docstring)."""
+def snapshot(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler, described: dict) -> dict[str, Any]:
+    """What this rank serves a healing rank at the start of a step (the module's docstring);
+    ``described`` is its ``layout``, which does not change."""
     slots = param_slots(rt)
     by_id = {id(s.tensor): s.name for s in slots}
     return {
-        "layout": layout(rt, optimizers, slots),
+        "layout": described,
         "params": {s.name: s.tensor.detach() for s in slots},
         "buffers": {n: b.detach().clone() for n, b in persistent_buffers(rt.root).items()},
         "optimizers": [

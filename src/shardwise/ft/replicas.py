@@ -115,6 +115,7 @@ class Torchft:
         self._in_step = False
         self._committed: bool | None = None  # the last step's vote (None: the loop skipped it)
         self._failed = 0  # steps in a row that did not commit
+        self._layout: dict | None = None  # what this rank holds (heal.layout), once the optimizers are known
         self._fingerprint: torch.Tensor | None = None
 
     # --- what users read
@@ -241,7 +242,9 @@ class Torchft:
         scaler = self._runtime.grad_scaler
         if self._kept is not None and self._committed is False:  # the step before failed
             heal.restore_transient(self._runtime, scaler, self._kept)
-        self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler)
+        if self._layout is None:
+            self._layout = heal.layout(self._runtime, self._optimizers, param_slots(self._runtime))
+        self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler, self._layout)
         self._transport.failed = None
         self._quorum()
         if self._transport.failed is not None:
@@ -296,8 +299,7 @@ class Torchft:
         """Every group must hold the same rows rank for rank: averaged over the groups, this
         rank's layout fingerprint stays itself only where all agree (one small all-reduce)."""
         if self._fingerprint is None:
-            slots = param_slots(self._runtime)
-            values = heal.fingerprint(heal.layout(self._runtime, self._optimizers, slots))
+            values = heal.fingerprint(self._layout)
             self._fingerprint = torch.tensor(values, dtype=torch.float64, device=groups.device())
         seen = self._fingerprint.clone()
         self._manager.allreduce(seen).wait()
