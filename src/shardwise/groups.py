@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -29,7 +30,8 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
     ``cuda:LOCAL_RANK``, and sets the collective timeout (seconds) after which a collective
     that cannot complete (a rank died or took another path) raises on every rank instead of
     hanging, naming where each rank was (flight.py). Without torchrun's variables it starts a
-    world of size 1. A no-op when a default group already exists.
+    world of size 1. A no-op when a default group already exists. The group it starts is
+    destroyed when the script ends normally, if the script has not done so (Note [exit]).
     """
     global _timeout_s
     if dist.is_initialized():
@@ -46,6 +48,23 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
+    atexit.register(_leave, dist.group.WORLD.group_name)
+
+
+# Note [exit]: a Gloo collective's work, with the tensors it holds, is often released by the
+# backend's worker thread a little after the waiter woke up, and releasing a tensor Python has
+# seen takes the GIL. A script that ends right after a collective (plan()'s broadcast, a logged
+# all-reduce) without destroy_process_group() can reach interpreter shutdown first: the worker
+# thread is then ended while it waits for the GIL, inside a C++ destructor, and the process
+# aborts ("terminate called without an active exception", SIGABRT; seen 2 exits in 12 at N=2).
+# Destroying the group joins its worker threads while the interpreter still runs, as torch asks
+# of every script; init() does it at exit for the group it started, unless the script already
+# did, or is ending on an uncaught exception (a peer may be gone, and joining a worker blocked
+# on it would hold the exit up to the collective timeout).
+def _leave(name: str) -> None:
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if failed is None and dist.is_initialized() and dist.group.WORLD.group_name == name:
+        dist.destroy_process_group()
 
 
 _timeout_s: float | None = None  # set by init()
