@@ -176,7 +176,7 @@ class _Job:
     """What the configurations of one plan share: the model, the step and the options."""
 
     build: Callable[[], nn.Module]
-    micro_batch: Callable[[], tuple]
+    micro_batch: Callable[[], tuple | dict]
     loss: Callable[..., torch.Tensor] | None
     optimizer: OptimizerFactory
     precision: MixedPrecision
@@ -186,6 +186,7 @@ class _Job:
     shard_size: int | None  # hybrid strategies' shard groups
     placement: Placement | None = None
     comm: Comm | str | None = None
+    holds_output: bool = True  # the loop holds the model's output to the step's end
 
 
 def _no_values(module: nn.Module) -> None:
@@ -195,14 +196,48 @@ def _no_values(module: nn.Module) -> None:
 def _step(job: _Job, model: nn.Module, opt: torch.optim.Optimizer, scaler, around_forward=None) -> None:
     """One training step as the user's loop takes it: forward, loss, backward, optimizer step
     (a GradScaler's finite check reads values, which fake tensors lack: the step is taken).
-    ``around_forward``: a context the forward and the loss run in (the search's profile)."""
-    args = job.micro_batch()
-    with around_forward or contextlib.nullcontext():
-        out = job.loss(model, *args) if job.loss is not None else model(*args)
-    loss = out if out.dim() == 0 else out.float().sum()
+    The model's outputs are held to the step's end where the loop holds them (Note [the
+    loop's references]). ``around_forward``: a context the forward and the loss run in (the
+    search's profile)."""
+    batch = job.micro_batch()
+    args, kwargs = ((), batch) if isinstance(batch, dict) else (batch, {})
+    held: list = []  # the model's outputs, as the loop's own variable holds them
+    hook = model.register_forward_hook(lambda m, i, out: held.append(out)) if job.holds_output else None
+    try:
+        with around_forward or contextlib.nullcontext():
+            out = job.loss(model, *args, **kwargs) if job.loss is not None else model(*args, **kwargs)
+    finally:
+        if hook is not None:
+            hook.remove()
+    loss = _loss_of(out)
+    del out  # (the output itself, where the loss was read off it: the loop holds it or not)
     (scaler.scale(loss) if scaler is not None else loss).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+# Note [the loop's references]: what a training loop holds while backward runs is memory the
+# model never sees. The usual loop holds the model's output to the step's end,
+#     logits = model(x); loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()); loss.backward()
+#     out = model(**batch); out.loss.backward()           (Hugging Face's examples)
+# and with a large vocabulary that output is one of the largest tensors of the step, live at
+# its peak (the backward of the loss and of the head). Others drop it before backward (a loss
+# function's own frame, the HF Trainer's compute_loss, Lightning's training_step, torchtitan's
+# ``del pred``). plan()'s ``loss(model, *inputs)`` is called as a function, so its frame, and
+# the logits with it, were gone before backward: the plan fell 5.2% short of a loop that holds
+# them (issue 32: a [512, 4096] fp32 tensor on a 153.6 MiB step). ``holds_output`` says which
+# loop runs; holding is the default, the larger of the two.
+def _loss_of(out) -> torch.Tensor:
+    """The scalar to backpropagate from what the model or ``loss`` returned: a tensor (summed
+    if it is not a scalar) or an output with a ``loss`` (Hugging Face's ModelOutput)."""
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ShardwiseError(
+            f"the step returned a {type(out).__name__} without a loss tensor: give plan() a "
+            "loss= function (loss(model, *inputs()) -> a tensor), or inputs that make the model "
+            "return its loss (labels=, for a Hugging Face model)"
+        )
+    return loss if loss.dim() == 0 else loss.float().sum()
 
 
 def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Profile | None = None):
@@ -473,8 +508,9 @@ def plan(
     activation_checkpointing: Policy | None = None,
     batch_size: int = 1,
     seq_len: int | None = None,
-    inputs: Callable[[], tuple] | None = None,
+    inputs: Callable[[], tuple | dict] | None = None,
     loss: Callable[..., torch.Tensor] | None = None,
+    holds_output: bool = True,
     optimizer: OptimizerFactory | None = None,
     max_unsharded: int = 2,
     shard_size: int | None = None,
@@ -494,10 +530,16 @@ def plan(
     shows which rank owns each owned parameter; its figures are rank 0's); activation_checkpointing is the policy
     ``checkpoint_activations`` would get. The micro-batch is ``inputs()``, positional
     arguments, or by default token ids of ``batch_size`` x ``seq_len`` (default:
-    ``model.cfg.seq_len``) passed as ``model(idx, targets)``. The step's loss is
-    ``loss(model, *inputs())`` where given (a loss computed outside the model, as most loops
-    do: its temporaries count), else the model's output, summed if it is not a scalar.
-    ``inputs()`` and ``loss`` run under ``FakeTensorMode``: their tensors allocate nothing.
+    ``model.cfg.seq_len``) passed as ``model(idx, targets)``; ``inputs()`` may return a dict
+    instead, of keyword arguments (``input_ids=``, ``labels=`` for a Hugging Face model). The
+    step's loss is ``loss(model, *inputs())`` where given (a loss computed outside the model,
+    as most loops do: its temporaries count), else the model's output (its ``loss`` where it
+    has one, as a Hugging Face output does), summed if it is not a scalar. ``inputs()`` and
+    ``loss`` run under ``FakeTensorMode``: their tensors allocate nothing. holds_output:
+    whether the training loop holds the model's output until the step ends (``logits =
+    model(x)``, then the loss and backward: the default) or drops it before backward (a loss
+    function's own frame, the HF Trainer, Lightning); with a large vocabulary the logits are
+    among the step's largest tensors (Note [the loop's references]).
     optimizer: a function of the parameters that builds it (default ``torch.optim.AdamW``).
     backend: the collectives' backend the run will use, "gloo" or "nccl" (default: nccl where
     CUDA is available, else gloo, as ``shardwise.init`` picks); they lay buffers out differently.
@@ -580,6 +622,7 @@ def plan(
         shard_size=shard_size,
         placement=placement,
         comm=comm,
+        holds_output=holds_output,
     )
     one_memory = backend == "gloo"  # shardwise computes on the CPU under Gloo
     names = [u.name for u in select_units(probe, wrap)]
