@@ -22,6 +22,7 @@ from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
 from shardwise.planner import plan as P
 from shardwise.planner.costs import Rates
+from shardwise.planner.estimate import estimate_of
 from shardwise.policies import MixedPrecision, Settings, UnitConfig
 
 WORLD = 2
@@ -118,7 +119,7 @@ def planned_settings(name: str, settings) -> tuple[P.Estimate, int]:
     )
     with groups.fake_world(1, "nccl"), collectives.apart():
         data, _, shard_bytes, host = P._run(job, settings, False)
-    e = P._estimate(
+    e = estimate_of(
         data, shard_bytes, settings, host, checkpointing=False, precision_name="fp32",
         one_memory=False,
     )

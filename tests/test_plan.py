@@ -21,6 +21,7 @@ from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_
 from shardwise.observer import trace as T
 from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
+from shardwise.planner import cli
 from shardwise.planner import plan as P
 
 # models small enough for CPU tests, big enough that model state and activations are both
@@ -468,7 +469,7 @@ def test_budget_strings():
 
 
 def test_plan_command(capsys):
-    P.main(["--model-size", "tiny", "--world-size", "2", "--batch-size", "2", "--seq-len", "16"])
+    cli.main(["--model-size", "tiny", "--world-size", "2", "--batch-size", "2", "--seq-len", "16"])
     out = capsys.readouterr().out
     assert "blocks.0" in out and "predicted peak" in out and "2 ranks (gloo)" in out
 

@@ -364,7 +364,8 @@ def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     widest = max(sizes)  # NCCL: equal rows, padded to the largest (the padding's sums are unused)
     full = torch.empty(world, widest, dtype=dtype, device=device)
     out = torch.empty(widest, dtype=dtype, device=device)
-    return ScatterRows([row[:n] for row, n in zip(full.unbind(0), sizes)], out, full)
+    rows = full.unbind(0) if min(sizes) == widest else [row[:n] for row, n in zip(full.unbind(0), sizes)]
+    return ScatterRows(list(rows), out, full)
 
 
 def reduce_scatter(
