@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ..errors import ShardwiseError
 from ..policies import Settings, Sharding, UnitConfig
 from .costs import Rates
 
@@ -162,8 +163,12 @@ def path(
         ):
             continue  # (its activations are recomputed or offloaded already)
         trial = _moved(settings, kind, n, sharded)
-        e = run(trial)
         label = f"{kind} {n or '<root>'}"
+        try:
+            e = run(trial)
+        except ShardwiseError as exc:  # a configuration the model cannot run is not on the path
+            dropped.append(f"{label} fails: {exc}")
+            continue
         if e.peak > current.peak * (1 - LEAST):
             dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
             continue

@@ -211,7 +211,8 @@ def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Pro
             checkpoint_activations(model, job.checkpointing)
         opt = job.optimizer(list(model.parameters()))
         scaler = GradScaler(model) if job.precision.needs_loss_scaling else None
-        _step(job, model, opt, scaler, _profiling(model, settings, profile) if profile else None)
+        with _the_step_on_fake_tensors():
+            _step(job, model, opt, scaler, _profiling(model, settings, profile) if profile else None)
         host: list[int] = []
 
         def note(name: str, unit: str, t: float, **fields) -> None:
@@ -225,6 +226,32 @@ def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Pro
             finally:
                 events.unlisten(note)
     return t.data, type(opt).__name__, _peak_and_end(entries), host
+
+
+@contextlib.contextmanager
+def _the_step_on_fake_tensors():
+    """A step that fails on fake tensors (and not for a reason of shardwise's own) raises a
+    ShardwiseError that says so, with what to do where the cause is known."""
+    try:
+        yield
+    except ShardwiseError:
+        raise
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        hint = (
+            " torch's fake kernel of grouped_mm (Mixture-of-Experts layers) takes bf16 only: plan "
+            "with mixed_precision='bf16', as such models train."
+            if "grouped_mm" in text or "BF16" in text
+            else " The step depends on tensor values (data-dependent shapes, e.g. nonzero or a "
+            "boolean mask), which fake tensors do not have: give plan() a model whose step does "
+            "not (for a Hugging Face MoE, its grouped_mm experts)."
+            if "DynamicOutputShape" in text or "data-dependent" in text.lower()
+            else ""
+        )
+        raise ShardwiseError(
+            "plan() takes one step of the model on fake tensors (shapes, no values), and it "
+            f"failed: {text.splitlines()[0][:300].rstrip('.')}.{hint}"
+        ) from exc
 
 
 @contextlib.contextmanager
