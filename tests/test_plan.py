@@ -519,3 +519,60 @@ def test_offload_saves_nothing_on_cpu():
     assert cpu.choice is None and "nothing fits" in cpu.reason  # only offload would have "fit"
     assert one_memory.peak > budget  # and counted as one memory, it does not
     assert P.ONE_MEMORY in str(cpu) and "predicted peak (CPU)" in str(cpu)
+
+
+# --- blocks alike: a model of many identical blocks planned from runs of a few
+REUSE_CFG = gpt_config("tiny", d_model=64, n_layer=6, n_head=4, seq_len=16, mlp_ratio=4)
+
+
+def many_blocks():
+    return GPT(REUSE_CFG)
+
+
+def many_layers():
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512,
+    )
+    return tf.LlamaForCausalLM(config)
+
+
+def hf_tokens():
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+@pytest.mark.parametrize(
+    "build, kw",
+    [
+        (many_blocks, dict(backend="gloo", strategy="no_shard")),  # every block in the root unit
+        (many_blocks, dict(backend="nccl", strategy="full_shard", mixed_precision="bf16", activation_checkpointing=True)),
+        (many_blocks, dict(backend="nccl", strategy="full_shard", cpu_offload=True)),
+        (many_layers, dict(backend="nccl", strategy="shard_grad_op", mixed_precision="bf16", inputs=hf_tokens)),
+    ],
+    ids=["gpt-ddp", "gpt-bf16-ac", "gpt-offload", "llama"],
+)
+def test_blocks_alike_planned_from_a_few_equal_the_whole(monkeypatch, build, kw):
+    """Note [blocks alike] (planner/repeats.py): every figure, byte for byte, the unit table
+    and where the peak is, as planning all six blocks gives them."""
+    from shardwise.planner import repeats
+
+    kw = dict(kw)
+    with torch.device("meta"):
+        wrap = shardwise.wrap.auto(build())
+    if kw.pop("activation_checkpointing", False):
+        kw["activation_checkpointing"] = wrap
+    plan = lambda: P.plan(build, world_size=4, wrap=wrap, batch_size=2, **kw)  # noqa: E731
+    monkeypatch.setattr(repeats, "FROM", 10**6)
+    whole = plan().estimates
+    monkeypatch.setattr(repeats, "FROM", 4)
+    reused = []
+    monkeypatch.setattr(
+        repeats, "plan_alike", lambda *a, _f=repeats.plan_alike: reused.append(_f(*a)) or reused[-1]
+    )
+    alike = plan().estimates
+    assert len(reused) == len(whole) and all(e is not None for e in reused)  # (no fallback)
+    for a, w in zip(alike, whole):
+        assert a == w, (a.label, a, w)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from ..activation_offload import is_activation
 from ..api import shard
 from ..build import select_units
 from ..errors import ShardwiseError
+from ..observer.accounting import theory
 from ..observer.allocations import _FakeAllocations
 from ..observer.trace import trace
 from ..placement import Placement
@@ -42,6 +44,7 @@ from ..recompute import checkpoint_activations
 from ..scaler import GradScaler
 from ..wrap import Policy
 from . import budget as search
+from . import repeats as repeats_
 from .costs import rates as measured_rates
 from .estimate import ONE_MEMORY, Estimate, UnitRow, estimate_of
 from .render import render
@@ -128,6 +131,7 @@ class _Job:
     placement: Placement | None = None
     comm: Comm | str | None = None
     holds_output: bool = True  # the loop holds the model's output to the step's end
+    repeats: repeats_.Repeats | None = None  # its blocks alike, planned from a few (repeats.py)
 
 
 def _no_values(module: nn.Module) -> None:
@@ -181,16 +185,21 @@ def _loss_of(out) -> torch.Tensor:
     return loss if loss.dim() == 0 else loss.float().sum()
 
 
-def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Profile | None = None):
+def _run(
+    job: _Job, settings: Settings, checkpointing: bool, profile: search.Profile | None = None, blocks: int | None = None
+):
     """Shard as ``settings`` say (with ``checkpointing``, also ``job.checkpointing``'s
     modules), take a step, trace the next: the trace, the optimizer's name, shard()'s own
     peak and final bytes (its log, as the tracer keeps one) and the bytes of activations in
     host memory after each ``activations`` event of the trace (Note [host copies] in
     activation_offload.py). A ``profile`` given gets the units' forward FLOPs and saved activations
-    from the first step."""
+    from the first step. ``blocks``: the model with that many of its blocks alike (Note
+    [blocks alike] in repeats.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when planning
 
     model = job.build()
+    if blocks is not None:
+        job.repeats.keep(model, blocks)
     with FakeTensorMode(allow_non_fake_inputs=True):  # (the meta model's tensors are not fake)
         log = _FakeAllocations()
         log.start()
@@ -434,7 +443,12 @@ def plan(
         holds_output=holds_output,
     )
     names = [u.name for u in select_units(probe, wrap)]
-    planner = _Planner(job, one_memory=backend == "gloo")  # shardwise computes on the CPU under Gloo
+    if placement is None:  # (owned placement gives blocks different owners: not alike)
+        job = dataclasses.replace(job, repeats=repeats_.find(probe, names))
+    trained = sum(p.requires_grad for p in probe.parameters())
+    step_check = theory(Sharding.FULL_SHARD, 0, world=world_size, b_gather=0, b_reduce=0, trained=trained)["step_check"]
+    # (shardwise computes on the CPU under Gloo)
+    planner = _Planner(job, one_memory=backend == "gloo", step_check=step_check)
     steps, dropped = [], []
     with groups.fake_world(world_size, backend), collectives.apart():
         if budget is None:
@@ -503,11 +517,22 @@ class _Planner:
     """Plans configurations of one job in the fake world: one estimate per run (``run``), or
     the budget search's path (``search``)."""
 
-    def __init__(self, job: _Job, *, one_memory: bool):
+    def __init__(self, job: _Job, *, one_memory: bool, step_check: int = 0):
         self.job, self.one_memory, self.optimizer_name = job, one_memory, ""
+        self.step_check = step_check  # the whole model's (repeats.plan_alike)
 
     def run(self, settings: Settings, checkpointing: bool = False, profile=None) -> Estimate:
-        data, self.optimizer_name, shard_bytes, host = _run(self.job, settings, checkpointing, profile)
+        repeats = self.job.repeats
+        if repeats is not None and profile is None and repeats_.alike(settings, repeats):
+            e = repeats_.plan_alike(
+                lambda s, k: self._run(s, checkpointing, None, k), settings, repeats, self.step_check
+            )
+            if e is not None:
+                return e
+        return self._run(settings, checkpointing, profile)
+
+    def _run(self, settings: Settings, checkpointing: bool, profile, blocks: int | None = None) -> Estimate:
+        data, self.optimizer_name, shard_bytes, host = _run(self.job, settings, checkpointing, profile, blocks)
         return estimate_of(
             data, shard_bytes, settings, host, checkpointing=checkpointing,
             precision_name=self.job.precision_name, one_memory=self.one_memory,
