@@ -541,7 +541,7 @@ def many_layers():
 
 def hf_tokens():
     ids = torch.zeros(2, 16, dtype=torch.long)
-    return {"input_ids": ids, "labels": ids, "use_cache": False}
+    return {"input_ids": ids, "labels": ids}
 
 
 @pytest.mark.parametrize(

@@ -176,9 +176,9 @@ def test_plan_command_on_an_hf_config(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["format"] == "shardwise-plan" and out["parameters"] == sum(p.numel() for p in llama().parameters())
     e = out["estimates"][0]
-    def one_sequence():  # as the command makes it: no KV cache in training
+    def one_sequence():  # as the command makes it
         ids = torch.zeros(1, SEQ, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids, "use_cache": False}
+        return {"input_ids": ids, "labels": ids}
 
     api = P.plan(
         llama, world_size=4, strategy="full_shard", wrap=shardwise.wrap.auto(llama()),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import os
 import sys
@@ -157,11 +156,9 @@ def _hf(path: str, seq_len: int | None, batch_size: int):
     def build() -> nn.Module:
         return cls(config)
 
-    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(cls.forward).parameters else {}
-
-    def batch() -> dict:  # (no KV cache: training keeps none, and recomputation needs none)
+    def batch() -> dict:  # as Hugging Face's examples train: model(input_ids=..., labels=...)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids, **no_cache}
+        return {"input_ids": ids, "labels": ids}
 
     return f"{cls.__name__} ({where}), {batch_size} x {seq_len} token ids with labels", build, seq_len, batch
 
