@@ -72,8 +72,9 @@ def outside(model, input_ids, labels):
 @dataclass(frozen=True)
 class Case:
     """``loop``: "labels" (``out = model(input_ids=, labels=)``, then ``out.loss.backward()``:
-    the loss inside, the output held), "held" (``logits = ...``, the loss outside, the logits
-    held to the step's end) or "dropped" (a loss function's frame drops them before backward)."""
+    the loss inside, the output held), "held" (``out = model(input_ids=)``, the loss outside
+    from ``out.logits``, the output held to the step's end) or "dropped" (a loss function's
+    frame drops the output before backward)."""
 
     model: str
     loop: str = "labels"
@@ -112,9 +113,10 @@ def measure_one(case: Case):
         if case.loop == "labels":
             out = model(input_ids=ids, labels=ids)
             loss = out.loss
-        elif case.loop == "held":
-            logits = logits_of(model, ids)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+        elif case.loop == "held":  # (the whole output: its cache and encoder states too)
+            decoder = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+            out = model(input_ids=ids, **decoder)
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), ids.flatten())
         else:
             loss = outside(model, ids, ids)
         loss.backward()
