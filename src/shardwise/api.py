@@ -20,6 +20,7 @@ from . import collectives as C
 from . import flight, groups, streams
 from . import placement as placements
 from .activation_offload import offload_activations
+from .conversions import guard_conversions
 from .build import (
     UnitPlan,
     assign_params,
@@ -206,9 +207,10 @@ def shard(
         module, units, strategy or "full_shard", sharding, layout_mesh, max_unsharded, precision,
         groups.host_group(whole), wire,
     )
-    for u in units:
-        for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
-            p._shardwise_runtime = weakref.ref(rt)  # Note [a step after a forward]
+    shards = [p for u in units for p in (u.shard_params if isinstance(u, ShardedUnit) else u.params)]
+    for p in shards:
+        p._shardwise_runtime = weakref.ref(rt)  # Note [a step after a forward]
+    guard_conversions(module, shards)  # Note [conversions after shard()]
     for kind in ("full", "selective"):
         recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
         if recomputed:

@@ -1,0 +1,188 @@
+"""A tiny LightningModule and what the Lightning tests run on every rank of a pool: the same
+module trained by ``Trainer(strategy="ddp")`` and ``strategy="shardwise"`` (fit, save, resume
+in a new Trainer, validate, test, predict), and the options that must be refused at setup.
+
+Lightning keeps some state in the process (environment variables, the rank it prints from);
+each task puts ``os.environ`` back as it found it, since the pool's workers live on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import shardwise
+from shardwise.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2, mlp_ratio=2)
+SAMPLES = 64  # 2 ranks x 2 sequences x 2 micro-batches x 8 steps
+
+
+def _lightning():
+    import lightning as L
+
+    import shardwise.lightning  # noqa: F401
+
+    return L
+
+
+def make_module(seed: int = 0, lr: float = 0.05, **kwargs):
+    """A LightningModule around a tiny GPT (defined here so that workers can import it)."""
+    L = _lightning()
+
+    class LitGPT(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.gpt = GPT(CFG)
+            self.example_input_array = torch.zeros(2, CFG.seq_len, dtype=torch.long)
+
+        def forward(self, x):
+            return self.gpt(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = self.gpt(x, y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", self.gpt(x, y), sync_dist=True)
+
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("test_loss", self.gpt(x, y), sync_dist=True)
+
+        def predict_step(self, batch, batch_idx):
+            return self.gpt(batch[0]).argmax(-1)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+    return LitGPT()
+
+
+def loader(n: int = SAMPLES, seed: int = 1) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+
+
+def trainer(strategy, devices: int, **kwargs):
+    L = _lightning()
+    defaults = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    return L.Trainer(strategy=strategy, devices=devices, **{**defaults, **kwargs})
+
+
+@contextlib.contextmanager
+def _lightning_process():
+    """Lightning edits os.environ (a teardown drops WORLD_SIZE); the pool's workers live on."""
+    saved = dict(os.environ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _full_state(module, sharded: bool) -> dict[str, torch.Tensor]:
+    if sharded:
+        return shardwise.full_state_dict(module, rank0_only=False)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def fit_save_resume(tmp: str, resume_world: int | None, **trainer_kwargs) -> dict:
+    """Phase 1 (this pool): ``ddp`` and ``shardwise`` each fit 4 steps and save; each then
+    resumes in a new Trainer and a module of other initial values to step 8, validates,
+    tests and predicts. With ``resume_world``, phase 1 only (the resume runs in that pool)."""
+    world = dist.get_world_size()
+    out: dict = {}
+    with _lightning_process():
+        for name in ("ddp", "shardwise"):
+            module = make_module()
+            t = trainer(name, world, max_steps=4, **trainer_kwargs)
+            t.fit(module, loader())
+            t.save_checkpoint(f"{tmp}/{name}.ckpt")
+            out[f"{name}/4"] = _full_state(module, name == "shardwise")
+            if resume_world is None:
+                out.update(resume(tmp, name, **trainer_kwargs))
+    return out
+
+
+def resume(tmp: str, name: str, **trainer_kwargs) -> dict:
+    """Resume ``name``'s checkpoint to step 8, in a module of other initial values."""
+    world = dist.get_world_size()
+    out: dict = {}
+    with _lightning_process():
+        module = make_module(seed=7)
+        t = trainer(name, world, max_steps=8, **trainer_kwargs)
+        t.fit(module, loader(), ckpt_path=f"{tmp}/{name}.ckpt")
+        out[f"{name}/8"] = _full_state(module, name == "shardwise")
+        out[f"{name}/lr"] = t.optimizers[0].param_groups[0]["lr"]
+        out[f"{name}/validate"] = t.validate(module, loader(8, seed=2), verbose=False)[0]["val_loss"]
+        out[f"{name}/test"] = t.test(module, loader(8, seed=3), verbose=False)[0]["test_loss"]
+        out[f"{name}/predict"] = torch.cat(t.predict(module, loader(8, seed=4)))
+    return out
+
+
+def resume_both(tmp: str, **trainer_kwargs) -> dict:
+    out = {}
+    for name in ("ddp", "shardwise"):
+        out.update(resume(tmp, name, **trainer_kwargs))
+    return out
+
+
+def precision_runs(tmp: str) -> dict:
+    """The same fit in fp32 and "bf16-mixed": the runtime's precision, and the parameters."""
+    out = {}
+    with _lightning_process():
+        for precision in ("32-true", "bf16-mixed"):
+            module = make_module()
+            t = trainer("shardwise", dist.get_world_size(), max_steps=3, precision=precision)
+            t.fit(module, loader())
+            out[precision] = _full_state(module, True)
+            out[f"{precision}/policy"] = shardwise.units(module)[0].precision
+    return out
+
+
+def refused_at_setup(kind: str) -> str:
+    """What fit() raises for an option ShardwiseStrategy cannot honour."""
+    from shardwise.lightning import ShardwiseStrategy
+
+    with _lightning_process():
+        module = make_module()
+        if kind == "sync_batchnorm":
+            t = trainer("shardwise", dist.get_world_size(), max_steps=1, sync_batchnorm=True)
+        elif kind == "memory_budget":
+            module.example_input_array = None
+            t = trainer(ShardwiseStrategy(memory_budget="1GiB"), dist.get_world_size(), max_steps=1)
+        elif kind == "not_a_checkpoint":
+            path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"plain-{os.getpid()}.ckpt")
+            torch.save({"state_dict": {}}, path)
+            t = trainer("shardwise", dist.get_world_size(), max_steps=1)
+            try:
+                t.fit(module, loader(), ckpt_path=path)
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            finally:
+                os.remove(path)
+            return "nothing raised"
+        else:
+            raise ValueError(kind)
+        try:
+            t.fit(module, loader())
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return "nothing raised"
+
