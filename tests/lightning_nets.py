@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
+from shardwise.runtime import runtime_of
 from shardwise.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2, mlp_ratio=2)
@@ -40,6 +41,7 @@ def make_module(seed: int = 0, lr: float = 0.05, **kwargs):
             torch.manual_seed(seed)
             self.gpt = GPT(CFG)
             self.example_input_array = torch.zeros(2, CFG.seq_len, dtype=torch.long)
+            self.grad_norm, self.first_loss = 0.0, None
 
         def forward(self, x):
             return self.gpt(x)
@@ -48,6 +50,8 @@ def make_module(seed: int = 0, lr: float = 0.05, **kwargs):
             x, y = batch
             loss = self.gpt(x, y)
             self.log("train_loss", loss, sync_dist=True)
+            if self.first_loss is None:
+                self.first_loss = loss.item()
             return loss
 
         def validation_step(self, batch, batch_idx):
@@ -61,9 +65,14 @@ def make_module(seed: int = 0, lr: float = 0.05, **kwargs):
         def predict_step(self, batch, batch_idx):
             return self.gpt(batch[0]).argmax(-1)
 
+        def on_before_optimizer_step(self, optimizer):  # before clipping; whole gradients under ddp
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.grad_norm = max(self.grad_norm, torch.nn.utils.get_total_norm(grads).item())
+
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.1)
-            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     return LitGPT()
 
@@ -75,7 +84,13 @@ def loader(n: int = SAMPLES, seed: int = 1) -> DataLoader:
 
 
 def trainer(strategy, devices: int, **kwargs):
+    """A quiet Trainer on ``devices`` CPU ranks; ``strategy`` a name or ShardwiseStrategy's
+    options (a dict: a fresh strategy per Trainer)."""
     L = _lightning()
+    if isinstance(strategy, dict):
+        from shardwise.lightning import ShardwiseStrategy
+
+        strategy = ShardwiseStrategy(**strategy)
     defaults = dict(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
@@ -102,31 +117,39 @@ def _full_state(module, sharded: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def fit_save_resume(tmp: str, resume_world: int | None, **trainer_kwargs) -> dict:
-    """Phase 1 (this pool): ``ddp`` and ``shardwise`` each fit 4 steps and save; each then
-    resumes in a new Trainer and a module of other initial values to step 8, validates,
-    tests and predicts. With ``resume_world``, phase 1 only (the resume runs in that pool)."""
+def _strategy(name: str, options: dict | None):
+    return options if name == "shardwise" and options else name
+
+
+def fit_save_resume(tmp: str, resume_here: bool, options: dict | None = None, **trainer_kwargs) -> dict:
+    """``ddp`` and ``shardwise`` (with ``ShardwiseStrategy(**options)`` if given) each fit 4
+    steps and save; with ``resume_here``, each then resumes in a new Trainer and a module of
+    other initial values to step 8, validates, tests and predicts (else another pool does)."""
     world = dist.get_world_size()
     out: dict = {}
     with _lightning_process():
         for name in ("ddp", "shardwise"):
             module = make_module()
-            t = trainer(name, world, max_steps=4, **trainer_kwargs)
+            t = trainer(_strategy(name, options), world, max_steps=4, **trainer_kwargs)
             t.fit(module, loader())
             t.save_checkpoint(f"{tmp}/{name}.ckpt")
             out[f"{name}/4"] = _full_state(module, name == "shardwise")
-            if resume_world is None:
-                out.update(resume(tmp, name, **trainer_kwargs))
+            out[f"{name}/grad_norm"] = module.grad_norm
+            if name == "shardwise":
+                out["shardwise/units"] = [u.label for u in shardwise.units(module)]
+                out["shardwise/files"] = sorted(os.listdir(f"{tmp}/{name}.ckpt"))
+            if resume_here:
+                out.update(resume(tmp, name, options, **trainer_kwargs))
     return out
 
 
-def resume(tmp: str, name: str, **trainer_kwargs) -> dict:
+def resume(tmp: str, name: str, options: dict | None = None, **trainer_kwargs) -> dict:
     """Resume ``name``'s checkpoint to step 8, in a module of other initial values."""
     world = dist.get_world_size()
     out: dict = {}
     with _lightning_process():
         module = make_module(seed=7)
-        t = trainer(name, world, max_steps=8, **trainer_kwargs)
+        t = trainer(_strategy(name, options), world, max_steps=8, **trainer_kwargs)
         t.fit(module, loader(), ckpt_path=f"{tmp}/{name}.ckpt")
         out[f"{name}/8"] = _full_state(module, name == "shardwise")
         out[f"{name}/lr"] = t.optimizers[0].param_groups[0]["lr"]
@@ -144,15 +167,19 @@ def resume_both(tmp: str, **trainer_kwargs) -> dict:
 
 
 def precision_runs(tmp: str) -> dict:
-    """The same fit in fp32 and "bf16-mixed": the runtime's precision, and the parameters."""
+    """The same fit with precision="32-true", "bf16-mixed", and ShardwiseStrategy's own
+    mixed_precision="bf16": the runtime's precision, the first loss and the parameters."""
     out = {}
+    runs = {"32-true": ("shardwise", "32-true"), "bf16-mixed": ("shardwise", "bf16-mixed"),
+            "option": ({"mixed_precision": "bf16"}, "32-true")}
     with _lightning_process():
-        for precision in ("32-true", "bf16-mixed"):
+        for key, (strategy, precision) in runs.items():
             module = make_module()
-            t = trainer("shardwise", dist.get_world_size(), max_steps=3, precision=precision)
+            t = trainer(strategy, dist.get_world_size(), max_steps=3, precision=precision)
             t.fit(module, loader())
-            out[precision] = _full_state(module, True)
-            out[f"{precision}/policy"] = shardwise.units(module)[0].precision
+            out[key] = _full_state(module, True)
+            out[f"{key}/policy"] = runtime_of(module).precision
+            out[f"{key}/first_loss"] = module.first_loss
     return out
 
 

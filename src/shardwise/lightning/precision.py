@@ -133,9 +133,9 @@ def plugin_of(plugin: Precision | None) -> ShardwisePrecision:
     (or one given in ``plugins=``); any other raises, naming it."""
     if plugin is None or isinstance(plugin, ShardwisePrecision):
         return plugin or ShardwisePrecision()
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
-    known = (Precision, MixedPrecision, HalfPrecision)
+    known = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)  # what precision= builds
     if type(plugin) in known:
         return ShardwisePrecision(getattr(plugin, "precision", "32-true"))
     raise ShardwiseError(
