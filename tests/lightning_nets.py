@@ -213,3 +213,13 @@ def refused_at_setup(kind: str) -> str:
             return f"{type(e).__name__}: {e}"
     return "nothing raised"
 
+
+
+def budget_run(budget: str) -> tuple[list[str], str]:
+    """ShardwiseStrategy(memory_budget=...): which kind of unit the plan made of each."""
+    with _lightning_process():
+        module = make_module()
+        t = trainer({"memory_budget": budget}, dist.get_world_size(), max_steps=1)
+        t.fit(module, loader())
+        rt = runtime_of(module)
+        return [f"{u.label}: {type(u).__name__}" for u in rt.units], rt.strategy

@@ -20,7 +20,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.accelerators import CPUAccelerator  # noqa: E402
 from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
-from lightning_nets import fit_save_resume, precision_runs, refused_at_setup, resume_both  # noqa: E402
+from lightning_nets import budget_run, fit_save_resume, precision_runs, refused_at_setup, resume_both  # noqa: E402
 
 import shardwise  # noqa: E402
 from shardwise.lightning import ShardwisePrecision, ShardwiseStrategy  # noqa: E402
@@ -73,6 +73,14 @@ def test_bf16_mixed_is_shardwise_mixed_precision(pools, tmp_path):
     assert all(v.dtype == torch.float32 for v in out["bf16-mixed"].values())  # fp32 master shards
     assert _max_diff(out["32-true"], out["bf16-mixed"]) > 0  # computed in bf16 indeed
     assert out["bf16-mixed/first_loss"] == pytest.approx(out["32-true/first_loss"], rel=1e-2)
+
+
+def test_memory_budget_plans_the_modules_forward(pools):
+    # planned on fake tensors with the module's example_input_array: roomy, DDP's layout is
+    # fastest; tight, the blocks are sharded
+    roomy, tight = (pools(2).run(budget_run, budget)[0] for budget in ("64MiB", "400KiB"))
+    assert roomy == (["<root>: ReplicatedUnit"], "no_shard"), roomy
+    assert tight[0] == ["gpt.blocks.0: ShardedUnit", "gpt.blocks.1: ShardedUnit", "<root>: ShardedUnit"], tight
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from .recompute import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
 from .groups import init
+from .options import ShardOptions
 from .policies import Comm, MixedPrecision, Settings, UnitConfig
 from .scaler import GradScaler
 from .observer.accounting import dtype_table, held_bytes
@@ -59,6 +60,7 @@ __all__ = [
     "Comm",
     "UnitConfig",
     "Settings",
+    "ShardOptions",
     "GradScaler",
     "save",
     "load",

@@ -25,7 +25,8 @@ class ShardOptions:
     """How a framework integration shards the model it is given.
 
     wrap: a wrap policy, or a set of module classes (``{Block}``: ``wrap.by_class(Block)``);
-    None: ``wrap.auto(model)``. strategy, mixed_precision, cpu_offload, placement, comm,
+    None: ``wrap.auto(model)``. strategy (None: full_shard, or the plan's with a budget),
+    mixed_precision, cpu_offload, placement, comm,
     max_unsharded, shard_size: as for ``shard()``. memory_budget: bytes or "20GiB": the
     planner picks each unit's settings to fit (``shardwise.plan(..., budget=...)``), with the
     example inputs the framework provides. activation_checkpointing: a policy or a set of
@@ -34,7 +35,7 @@ class ShardOptions:
     """
 
     wrap: wraps.Policy | Classes | None = None
-    strategy: str = "full_shard"
+    strategy: str | None = None  # shard()'s default, full_shard; a budget's plan chooses
     mixed_precision: MixedPrecision | str | None = None
     cpu_offload: bool = False
     placement: Placement | None = None
@@ -45,7 +46,7 @@ class ShardOptions:
     activation_checkpointing: wraps.Policy | Classes | None = None
 
     def __post_init__(self) -> None:
-        Sharding.of(self.strategy)  # each raises, naming the value, at construction
+        Sharding.of(self.strategy or "full_shard")  # each raises, naming the value, now
         MixedPrecision.of(self.mixed_precision)
         Comm.of(self.comm)
         if self.memory_budget is not None and self.activation_checkpointing is not None:

@@ -31,6 +31,17 @@ from .accelerator import ShardwiseAccelerator
 
 SHARDS_DIR = "shardwise"  # in each checkpoint-N: the model's and optimizer's shards
 
+# transformers.Trainer's methods overridden here; the private ones have no public equivalent
+OVERRIDDEN = (
+    "create_accelerator_and_postprocess", "save_model", "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model",
+)
+if missing := [name for name in OVERRIDDEN if not hasattr(transformers.Trainer, name)]:
+    raise ImportError(
+        f"shardwise.hf.Trainer overrides transformers.Trainer.{', '.join(missing)}, which transformers "
+        f"{transformers.__version__} does not have: install the version pinned in shardwise's [hf] extra"
+    )
+
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for a model sharded by shardwise, launched by torchrun.

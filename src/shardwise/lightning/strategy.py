@@ -71,7 +71,7 @@ class ShardwiseStrategy(ParallelStrategy):
         self,
         *,
         wrap=None,
-        strategy: str = "full_shard",
+        strategy: str | None = None,
         mixed_precision: MixedPrecision | str | None = None,
         cpu_offload: bool = False,
         placement=None,
