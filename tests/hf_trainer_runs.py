@@ -132,3 +132,21 @@ def refused(tmp: str, kind: str) -> str:
         except Exception as e:
             return f"{type(e).__name__}: {e}"
     return "nothing raised"
+
+
+def best_model(tmp: str) -> tuple[str, float]:
+    """load_best_model_at_end with the highest loss as "best": checkpoint-2, not the last one.
+    Returns the best checkpoint and how far the trained model ends from its weights."""
+    import safetensors.torch
+
+    import shardwise.hf
+
+    args = arguments(f"{tmp}/best", max_steps=6, eval_strategy="steps", eval_steps=2,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    with _quiet():
+        t = shardwise.hf.Trainer(model=llama(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8, seed=3))
+        t.train()
+    best = t.state.best_model_checkpoint
+    weights = safetensors.torch.load_file(f"{best}/model.safetensors")
+    state = shardwise.full_state_dict(t.model, rank0_only=False)
+    return Path(best).name, max((state[k] - v).abs().max().item() for k, v in weights.items())

@@ -156,6 +156,10 @@ def resume(tmp: str, name: str, options: dict | None = None, **trainer_kwargs) -
         out[f"{name}/validate"] = t.validate(module, loader(8, seed=2), verbose=False)[0]["val_loss"]
         out[f"{name}/test"] = t.test(module, loader(8, seed=3), verbose=False)[0]["test_loss"]
         out[f"{name}/predict"] = torch.cat(t.predict(module, loader(8, seed=4)))
+        # the step-4 weights, loaded for validation only (no optimizer)
+        out[f"{name}/validate_ckpt"] = t.validate(
+            module, loader(8, seed=2), ckpt_path=f"{tmp}/{name}.ckpt", verbose=False
+        )[0]["val_loss"]
     return out
 
 

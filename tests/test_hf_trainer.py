@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers", reason="needs the [hf] extra: pip install -e '.[hf]'")
 pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install -e '.[hf]'")
 
-from hf_trainer_runs import refused, resume, train_and_export  # noqa: E402
+from hf_trainer_runs import best_model, refused, resume, train_and_export  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py"
 
@@ -50,6 +50,10 @@ def test_equals_ddp_resumes_at_any_world_size_and_exports(pools, tmp_path):
     other = pools(1).run(resume, str(tmp_path))[0]  # saved by 2 processes, resumed by 1
     _assert_close(other["ddp/resumed"], other["shardwise/resumed"])
     assert _max_diff(other["shardwise/resumed"], out["shardwise/final"]) > 0  # another data split
+
+
+def test_load_best_model_at_end(pools, tmp_path):
+    assert pools(2).run(best_model, str(tmp_path))[0] == ("checkpoint-2", 0.0)
 
 
 @pytest.mark.parametrize(

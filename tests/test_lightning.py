@@ -49,9 +49,10 @@ def test_equals_ddp_through_fit_save_resume_validate_test_predict(pools, tmp_pat
     for stage in ("4", "8"):
         _assert_close(out[f"ddp/{stage}"], out[f"shardwise/{stage}"])
     assert out["shardwise/lr"] == out["ddp/lr"] == pytest.approx(0.05 * 0.5**2)  # the schedule resumed
-    for stage in ("validate", "test"):
+    for stage in ("validate", "test", "validate_ckpt"):
         assert out[f"shardwise/{stage}"] == pytest.approx(out[f"ddp/{stage}"], rel=1e-5)
     assert torch.equal(out["shardwise/predict"], out["ddp/predict"])
+    assert out["shardwise/validate_ckpt"] != out["shardwise/validate"]  # step 4's weights, not 8's
     assert out["shardwise/units"] == ["gpt.blocks.0", "gpt.blocks.1", "<root>"]
     assert out["shardwise/files"] == ["COMMITTED", "index.json", "rank-00000-of-00002.safetensors",
                                       "rank-00001-of-00002.safetensors"]
