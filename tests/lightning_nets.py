@@ -21,6 +21,7 @@ from shardwise.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2, mlp_ratio=2)
 SAMPLES = 64  # 2 ranks x 2 sequences x 2 micro-batches x 8 steps
+CLIP_FP16 = 1.0  # clipping after the scaler's unscale_
 
 
 def _lightning():
@@ -174,13 +175,20 @@ def precision_runs(tmp: str) -> dict:
     """The same fit with precision="32-true", "bf16-mixed", and ShardwiseStrategy's own
     mixed_precision="bf16": the runtime's precision, the first loss and the parameters."""
     out = {}
+    from shardwise.lightning import ShardwisePrecision
+
     runs = {"32-true": ("shardwise", "32-true"), "bf16-mixed": ("shardwise", "bf16-mixed"),
-            "option": ({"mixed_precision": "bf16"}, "32-true")}
+            "option": ({"mixed_precision": "bf16"}, "32-true"),
+            # (on CPU Lightning turns precision="16-mixed" into bf16; the plugin keeps fp16)
+            "16-mixed": ("shardwise", ShardwisePrecision("16-mixed"))}
     with _lightning_process():
         for key, (strategy, precision) in runs.items():
             module = make_module()
-            t = trainer(strategy, dist.get_world_size(), max_steps=3, precision=precision)
+            flag = {"plugins": [precision]} if isinstance(precision, ShardwisePrecision) else {"precision": precision}
+            t = trainer(strategy, dist.get_world_size(), max_steps=3, gradient_clip_val=CLIP_FP16, **flag)
             t.fit(module, loader())
+            scaler = t.precision_plugin.scaler
+            out[f"{key}/scale"] = scaler.get_scale() if scaler is not None else None
             out[key] = _full_state(module, True)
             out[f"{key}/policy"] = runtime_of(module).precision
             out[f"{key}/first_loss"] = module.first_loss

@@ -66,14 +66,22 @@ def test_resume_at_another_world_size(pools, tmp_path):
     assert out["shardwise/validate"] == pytest.approx(out["ddp/validate"], rel=1e-5)
 
 
-def test_bf16_mixed_is_shardwise_mixed_precision(pools, tmp_path):
-    out = pools(2).run(precision_runs, str(tmp_path))[0]
+def test_precision_flags_are_shardwise_mixed_precision(pools, tmp_path):
+    outs = pools(2).run(precision_runs, str(tmp_path))
+    out = outs[0]
     assert out["bf16-mixed/policy"] == out["option/policy"] == shardwise.MixedPrecision.of("bf16")
     assert out["32-true/policy"] == shardwise.MixedPrecision()
     assert all(torch.equal(out["bf16-mixed"][k], out["option"][k]) for k in out["option"])
     assert all(v.dtype == torch.float32 for v in out["bf16-mixed"].values())  # fp32 master shards
     assert _max_diff(out["32-true"], out["bf16-mixed"]) > 0  # computed in bf16 indeed
     assert out["bf16-mixed/first_loss"] == pytest.approx(out["32-true/first_loss"], rel=1e-2)
+    # "16-mixed": fp16 compute with shardwise.GradScaler, which unscales before clipping
+    assert out["16-mixed/policy"] == shardwise.MixedPrecision.of("fp16")
+    assert out["32-true/scale"] is None
+    scales = [o["16-mixed/scale"] for o in outs]  # every rank took the same skip decisions
+    assert scales[0] == scales[1] and 2.0**13 <= scales[0] <= 2.0**16, scales
+    assert out["16-mixed/first_loss"] == pytest.approx(out["32-true/first_loss"], rel=1e-2)
+    assert all(v.isfinite().all() for v in out["16-mixed"].values())
 
 
 def test_memory_budget_plans_the_modules_forward(pools):

@@ -99,9 +99,11 @@ class ShardwisePrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        self.scaler.unscale_(optimizer)  # before clipping, as torch.amp's scaler is used
+        skipped = closure_result is None and model.automatic_optimization  # training_step gave None
+        if not skipped:
+            self.scaler.unscale_(optimizer)  # before clipping, as with torch.amp's scaler
         self._after_closure(model, optimizer)
-        if closure_result is None and model.automatic_optimization:  # the step skipped backward
+        if skipped:
             return closure_result
         self.scaler.step(optimizer)
         self.scaler.update()

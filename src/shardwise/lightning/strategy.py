@@ -307,6 +307,8 @@ class ShardwiseStrategy(ParallelStrategy):
         """Collective: ``shardwise.load`` into the sharded module (and, when fitting, its
         optimizers), at any world size; returns Lightning's state for the rest."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.exists():
+            raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist")
         if not is_complete(path):
             raise ShardwiseError(
                 f"ckpt_path={str(path)!r} is not a checkpoint written by ShardwiseStrategy (a "
