@@ -18,11 +18,11 @@ from test_plan import BATCH, GPT_CFG, MODELS, real_batch, tokens
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardwise
-from shardwise.policies import MixedPrecision, Settings, UnitConfig
+from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
 from shardwise.planner import plan as P
-from shardwise.observer.accounting import kept_buckets
 from shardwise.planner.costs import Rates
+from shardwise.policies import MixedPrecision, Settings, UnitConfig
 
 WORLD = 2
 SWEEP = 5  # budgets from the smallest feasible peak to DDP's
@@ -235,7 +235,7 @@ def test_activation_offload_never_raises_the_device_peak(pools, name):
     there, and costs nothing either: its copies back are freed one by one as its backward uses
     them, as the originals are (they were held to the end of the call's backward, 0.565 MiB
     over the peak without offload on the GPT). Measured on a real step, predicted within 3%."""
-    build, block, _, _ = MODELS[name]
+    _build, block, _, _ = MODELS[name]
     names = ["blocks.0", "blocks.1", "blocks.2", ""]
 
     def settings(offloaded):
@@ -259,7 +259,7 @@ def test_partial_state_offload_counts_the_optimizer_step_on_the_device(pools, of
     memory (the estimate used to count none of it during the step, 8.5% under with the last
     layer offloaded, where the step is the peak). A real step's device peak, and its peak
     during the optimizer step, are within 3%."""
-    build, block, _, _ = MODELS["mlp"]
+    _build, block, _, _ = MODELS["mlp"]
     names = ["layers.0", "layers.1", "layers.2", "layers.3", ""]
     settings = Settings(
         "full_shard",

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers", reason="needs the [hf] extra: pip install -e '.[hf]'")
 pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install -e '.[hf]'")
 
-from hf_trainer_runs import best_model, refused, resume, train_and_export  # noqa: E402
+from hf_trainer_runs import best_model, refused, resume, train_and_export
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py"
 

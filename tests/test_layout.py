@@ -1,5 +1,7 @@
 """Layout bookkeeping, without any process group."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ def test_shards_partition_every_parameter(world):
     for slot in lay.slots:
         rows = [slot.row_range(r) for r in range(world)]
         assert rows[0][0] == 0 and rows[-1][1] == slot.rows
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, disjoint
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))  # contiguous, disjoint
         assert slot.rows_per_rank == -(-slot.rows // world)
     # per-rank shard is 1/N of the model plus padding, never more
     padding = sum(s.rows_per_rank * world * s.row_numel - s.numel for s in lay.slots)

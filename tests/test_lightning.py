@@ -16,14 +16,20 @@ import pytest
 
 pytest.importorskip("lightning", reason="needs the [lightning] extra: pip install -e '.[lightning]'")
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.accelerators import CPUAccelerator  # noqa: E402
-from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
-from lightning_nets import budget_run, fit_save_resume, precision_runs, refused_at_setup, resume_both  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning_nets import (
+    budget_run,
+    fit_save_resume,
+    precision_runs,
+    refused_at_setup,
+    resume_both,
+)
 
-import shardwise  # noqa: E402
-from shardwise.lightning import ShardwisePrecision, ShardwiseStrategy  # noqa: E402
+import shardwise
+from shardwise.lightning import ShardwisePrecision, ShardwiseStrategy
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_gpt.py"
 CLIP = 0.05  # well below the gradients' norm (about 1): clipping acts at every step

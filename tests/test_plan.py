@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
-from shardwise.planner import budget as search
-from shardwise.planner import plan as P
 from shardwise.observer import trace as T
 from shardwise.observer.accounting import kept_buckets
+from shardwise.planner import budget as search
+from shardwise.planner import plan as P
 
 # models small enough for CPU tests, big enough that model state and activations are both
 # megabytes: the built-in GPT, an MLP stack, and a GPT of stock torch modules the planner

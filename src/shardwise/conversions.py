@@ -19,11 +19,14 @@ import torch
 import torch.nn as nn
 
 from .errors import ShardwiseError
+from .runtime import Runtime
+from .unit import ShardedUnit
 
 
-def guard_conversions(model: nn.Module, shards: list[torch.Tensor]) -> None:
-    """Make every conversion of ``model``'s modules keep ``shards`` as they are, or raise."""
-    ids = {id(p) for p in shards}
+def guard_conversions(model: nn.Module, rt: Runtime) -> None:
+    """Make every conversion of ``model``'s modules keep its runtime's shard parameters (no_shard:
+    its whole parameters, views of the bucket) as they are, or raise."""
+    ids = {id(p) for u in rt.units for p in (u.shard_params if isinstance(u, ShardedUnit) else u.params)}
     for module in model.modules():
         original = module._apply  # bound: its own recursion calls the children's, guarded too
 

@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..policies import Settings, UnitConfig
+from ..policies import Settings, Sharding, UnitConfig
 from .costs import Rates
 
 LEAST = 1e-3  # a move that lowers the peak by less than this share costs time for nothing
@@ -86,7 +86,7 @@ def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> fl
 def path(
     names: list[str],
     wrap,
-    sharded: tuple[str, str],
+    sharded: tuple[Sharding, Sharding],
     run: Callable[[Settings], object],
     profile_of: Callable[[Settings], tuple[object, Profile]],
     rates: Rates,
@@ -96,14 +96,14 @@ def path(
 ) -> tuple[list[Step], list[str]]:
     """The path from DDP to the smallest configuration (see the module doc), and the moves
     dropped on the way (they lowered nothing). ``names``: the units of ``wrap``, innermost
-    first, the root ("") last; ``sharded``: the strategy names for every unit kept gathered
+    first, the root ("") last; ``sharded``: the strategies for every unit kept gathered
     and for some resharded (hybrid variants where planned so); ``run`` plans one
     configuration; ``profile_of`` plans one and profiles its units."""
     kept = Settings(
         sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names)
     )
     current, profile = profile_of(kept)
-    ddp = Settings("no_shard", None, (("", UnitConfig(reshard_after_forward=False)),))
+    ddp = Settings(Sharding.NO_SHARD, None, (("", UnitConfig(reshard_after_forward=False)),))
     e = run(ddp)
     steps = [
         Step(
@@ -182,7 +182,7 @@ def path(
     return steps, dropped
 
 
-def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -> Settings:
+def _moved(settings: Settings, kind: str, name: str, sharded: tuple[Sharding, Sharding]) -> Settings:
     """``settings`` with one unit's setting changed."""
     change = {
         "reshard": {"reshard_after_forward": True},
@@ -232,10 +232,10 @@ def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
 
 def describe(settings: Settings) -> str:
     """A configuration in a few words: the strategy, then how many units do what."""
-    if settings.strategy == "no_shard":
-        return "no_shard (DDP)"
+    if not settings.strategy.shard:
+        return f"{settings.strategy} (DDP)"
     units = [c for n, c in settings.units if n]
-    parts = [settings.strategy]
+    parts = [f"{settings.strategy}"]
     if units:
         parts.append(
             f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward"

@@ -35,19 +35,19 @@ from .. import placement as placements
 from ..activation_offload import is_activation
 from ..api import shard
 from ..build import select_units
-from ..recompute import checkpoint_activations
 from ..errors import ShardwiseError
+from ..observer.allocations import _FakeAllocations
+from ..observer.trace import trace, when
 from ..placement import Placement
 from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
+from ..recompute import checkpoint_activations
 from ..scaler import GradScaler
 from ..wrap import Policy
 from . import budget as search
-from ..observer.allocations import _FakeAllocations
 from .costs import rates as measured_rates
-from ..observer.trace import trace, when
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")  # side by side unless one is named
-HYBRID = ("hybrid_shard", "hybrid_shard_grad_op")  # planned when named, with shard_size
+STRATEGIES = tuple(s.value for s in Sharding if not s.hybrid)  # side by side unless one is named
+HYBRID = tuple(s.value for s in Sharding if s.hybrid)  # planned when named, with shard_size
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -66,7 +66,7 @@ class UnitRow:
 class Estimate:
     """The prediction for one configuration: bytes per rank (the largest rank's), per step."""
 
-    strategy: str
+    strategy: Sharding
     wrap: str
     world_size: int
     mixed_precision: str
@@ -102,7 +102,7 @@ class Estimate:
 
     @property
     def label(self) -> str:
-        parts = [self.strategy + (" (DDP)" if self.strategy == "no_shard" else "")]
+        parts = [f"{self.strategy}" + ("" if self.strategy.shard else " (DDP)")]
         if self.wrap != "-":
             parts.append(f"wrap {self.wrap}")
         if self.activation_checkpointing:
@@ -227,7 +227,7 @@ def _run(job: _Job, settings: Settings, checkpointing: bool, profile: search.Pro
                 init=_no_values,
                 placement=job.placement,
                 comm=job.comm,
-                **({"shard_size": job.shard_size} if settings.strategy in HYBRID else {}),
+                **({"shard_size": job.shard_size} if settings.strategy.hybrid else {}),
             )
         finally:
             entries = log.stop()
@@ -366,7 +366,7 @@ def _estimate(
         phases[stage] = max((d for d, s in zip(device, stages) if s == stage), default=0)
     return Estimate(
         strategy=settings.strategy,
-        wrap=_policy_name(settings.wrap) if settings.strategy != "no_shard" else "-",
+        wrap=_policy_name(settings.wrap) if settings.strategy.shard else "-",
         world_size=data["world_size"],
         mixed_precision=precision_name,
         cpu_offload=any(offloaded),
@@ -447,7 +447,7 @@ def _one_plan_for_all(plan_here: Callable[..., Plan]) -> Callable[..., Plan]:
         if dist.get_rank() == 0:
             try:
                 box[0] = (True, plan_here(*args, **kwargs))
-            except Exception as exc:  # noqa: BLE001 (every rank raises it, below)
+            except Exception as exc:
                 failure = exc
                 box[0] = (False, f"{type(exc).__name__}: {exc}")
         collectives.blocking("broadcast", "plan", dist.broadcast_object_list, box, src=0)
@@ -533,28 +533,22 @@ def plan(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("gloo", "nccl"):
         raise ShardwiseError(f"backend={backend!r}: plan for 'gloo' (CPU) or 'nccl' (CUDA)")
-    strategies = (
-        STRATEGIES
-        if strategy is None
-        else (strategy,)
-        if isinstance(strategy, str)
-        else tuple(strategy)
+    strategies = tuple(
+        Sharding.of(s)
+        for s in (STRATEGIES if strategy is None else (strategy,) if isinstance(strategy, str) else strategy)
     )
-    for s in strategies:
-        if s not in STRATEGIES + HYBRID:
-            raise ShardwiseError(f"strategy={s!r} is not one of {STRATEGIES + HYBRID}")
-    if any(s in HYBRID for s in strategies) and shard_size is None:
+    if any(s.hybrid for s in strategies) and shard_size is None:
         raise ShardwiseError(
             "a hybrid strategy needs shard_size= in plan(): the ranks of one shard group "
             "(torchrun's --nproc_per_node, one node, in the run)"
         )
-    if cpu_offload and strategy is not None and "no_shard" in strategies:
+    if cpu_offload and strategy is not None and not all(s.shard for s in strategies):
         raise ShardwiseError(
             "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
             "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
         )
     if budget is not None and (
-        activation_checkpointing is not None or cpu_offload or (strategy is not None and strategies[0] not in HYBRID)
+        activation_checkpointing is not None or cpu_offload or (strategy is not None and not strategies[0].hybrid)
     ):
         raise ShardwiseError(
             "with budget=, plan() chooses the strategy, activation checkpointing and offload per "
@@ -602,7 +596,7 @@ def plan(
 
         if budget is None:
             for s in strategies:
-                uniform = _uniform(names, s, wrap, cpu_offload and s != "no_shard")
+                uniform = _uniform(names, s, wrap, cpu_offload and s.shard)
                 estimates.append(run(uniform, activation_checkpointing is not None))
         else:
             def profile_of(settings: Settings) -> tuple[Estimate, search.Profile]:
@@ -612,8 +606,11 @@ def plan(
                     profile.gathered_bytes[n], profile.shard_bytes[n] = u.gathered_bytes, u.shard_bytes
                 return e, profile
 
-            hybrid = strategies[0] in HYBRID
-            sharded = ("hybrid_shard_grad_op", "hybrid_shard") if hybrid else ("shard_grad_op", "full_shard")
+            sharded = (
+                (Sharding.HYBRID_SHARD_GRAD_OP, Sharding.HYBRID_SHARD)
+                if strategies[0].hybrid
+                else (Sharding.SHARD_GRAD_OP, Sharding.FULL_SHARD)
+            )
             steps, dropped = search.path(
                 names, wrap, sharded, run, profile_of, measured_rates(backend),
                 world=world_size, offload=not one_memory,
@@ -633,9 +630,9 @@ def plan(
     return result
 
 
-def _uniform(names: list[str], strategy: str, wrap: Policy | None, offload: bool) -> Settings:
-    """One setting for every unit, as a strategy name means it (``offload``: cpu_offload)."""
-    keep = Sharding.of(strategy).reshard_after_forward
+def _uniform(names: list[str], strategy: Sharding, wrap: Policy | None, offload: bool) -> Settings:
+    """One setting for every unit, as the strategy means it (``offload``: cpu_offload)."""
+    keep = strategy.reshard_after_forward
     return Settings(
         strategy, wrap, tuple((n, UnitConfig(reshard_after_forward=keep and bool(n), offload=offload)) for n in names)
     )
@@ -682,7 +679,7 @@ def render(p: Plan) -> str:
     lines = [f"shardwise plan: {p.title}", ""]
     shown = {}
     for e in p.estimates:
-        if e.strategy != "no_shard":
+        if e.strategy.shard:
             shown.setdefault(e.wrap, e)
     for wrap, e in shown.items():
         head = f"units with wrap {wrap} ({len(e.units)}), per rank:"
@@ -760,7 +757,7 @@ def _owned_by_rank(e: Estimate) -> dict[int, tuple[int, int]]:
 
 def _short(e: Estimate) -> str:
     """A column header: the strategy, then +root (wrap none), +ac (checkpointing), +off."""
-    name = "no_shard (DDP)" if e.strategy == "no_shard" else e.strategy
+    name = f"{e.strategy}" + ("" if e.strategy.shard else " (DDP)")
     return (
         name
         + ("+root" if e.wrap == "none" else "")
