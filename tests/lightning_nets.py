@@ -234,4 +234,4 @@ def budget_run(budget: str) -> tuple[list[str], str]:
         t = trainer({"memory_budget": budget}, dist.get_world_size(), max_steps=1)
         t.fit(module, loader())
         rt = runtime_of(module)
-        return [f"{u.label}: {type(u).__name__}" for u in rt.units], rt.strategy
+        return [f"{u.label}: {type(u).__name__}" for u in rt.units], rt.sharding.value

@@ -19,7 +19,6 @@ from . import flight, groups, optimizer_guard
 from . import placement as placements
 from .build import broadcast_from_rank0, build
 from .checkpoint import load_full
-from .conversions import guard_conversions
 from .errors import ShardwiseError
 from .policies import Comm, MixedPrecision, Settings, Sharding
 from .runtime import require_idle, runtime_of
@@ -106,7 +105,6 @@ def shard(
         max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm),
     )
     optimizer_guard.watch(rt)
-    guard_conversions(module, rt)  # Note [conversions after shard()]
     if init_from is not None:
         load_full(module, init_from)
     return module
