@@ -15,6 +15,7 @@ import io
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from ..checkpoint import load, save
 from ..checkpoint.commit import is_complete
 from ..errors import ShardwiseError
 from ..options import ShardOptions, is_sharded, shard_with
-from ..policies import MixedPrecision
+from ..policies import MixedPrecision, Sharding
 from .precision import ShardwisePrecision, plugin_of
 
 _META_KEY = "lightning"  # the checkpoint's ``extra`` key holding Lightning's state
@@ -216,7 +217,10 @@ class ShardwiseStrategy(ParallelStrategy):
                     "training step of the module's forward with its example_input_array: set "
                     "self.example_input_array (one micro-batch) in the LightningModule's __init__"
                 )
-            shard_with(module, self.options, mixed_precision=self._mixed_precision(), example_inputs=example)
+            options = self.options
+            if options.shard_size is None and Sharding.of(options.strategy or "full_shard").hybrid:
+                options = replace(options, shard_size=self.num_processes)  # a node's devices
+            shard_with(module, options, mixed_precision=self._mixed_precision(), example_inputs=example)
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
