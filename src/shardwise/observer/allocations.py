@@ -207,10 +207,10 @@ class _FakeAllocations(TorchDispatchMode):
         return out
 
 
-# Note [kernels' storages]: a few reduced losses' kernels (CPU, and CUDA by the same structured
-# kernel) sum into the unreduced loss and return the scalar as a view of it, so the loss a
-# loop holds through backward keeps an input-sized storage alive; their fake (meta) kernels
-# return a scalar of its own. Found by comparing each loss's storage, real and fake (on an MLP
+# Note [kernels' storages]: a few reduced losses' CPU kernels sum into the unreduced loss and
+# return the scalar as a view of it (CUDA's are the same structured kernels: not checked, no
+# GPU here), so the loss a loop holds through backward keeps an input-sized storage alive;
+# their fake (meta) kernels return a scalar of its own. Found by comparing each loss's storage, real and fake (on an MLP
 # with F.mse_loss the plan was 2.0% under MemTracker); huber_loss, l1_loss, nll_loss,
 # cross_entropy and the with-logits BCE hold only their scalar.
 _REDUCED_INTO_UNREDUCED = {
