@@ -109,9 +109,11 @@ def shard_with(
             )
         from .planner.plan import plan  # the planner is only needed here
 
+        # (the frameworks' steps drop the model's output before backward: the HF Trainer's
+        # compute_loss and Lightning's training_step return the loss alone)
         chosen = plan(
             model, world_size=dist.get_world_size(), strategy=options.strategy, wrap=policy,
-            budget=options.memory_budget, inputs=example_inputs, **common,
+            budget=options.memory_budget, inputs=example_inputs, holds_output=False, **common,
         )
         shard(model, plan=chosen, **common)
     if options.activation_checkpointing is not None:
