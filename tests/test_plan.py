@@ -548,15 +548,16 @@ def hf_tokens():
     "build, kw",
     [
         (many_blocks, dict(backend="gloo", strategy="no_shard")),  # every block in the root unit
-        (many_blocks, dict(backend="nccl", strategy="full_shard", mixed_precision="bf16", activation_checkpointing=True)),
-        (many_blocks, dict(backend="nccl", strategy="full_shard", cpu_offload=True)),
+        (many_blocks, dict(backend="nccl", strategy="full_shard", mixed_precision="bf16",
+                           activation_checkpointing=True, cpu_offload=True)),
         (many_layers, dict(backend="nccl", strategy="shard_grad_op", mixed_precision="bf16", inputs=hf_tokens)),
     ],
-    ids=["gpt-ddp", "gpt-bf16-ac", "gpt-offload", "llama"],
+    ids=["gpt-ddp", "gpt-bf16-ac-offload", "llama"],
 )
 def test_blocks_alike_planned_from_a_few_equal_the_whole(monkeypatch, build, kw):
-    """Note [blocks alike] (planner/repeats.py): every figure, byte for byte, the unit table
-    and where the peak is, as planning all six blocks gives them."""
+    """Note [blocks alike] (planner/repeats.py): every figure, byte for byte (host memory
+    under offload included), the unit table and where the peak is, as planning all six blocks
+    gives them."""
     from shardwise.planner import repeats
 
     kw = dict(kw)
