@@ -189,7 +189,7 @@ def apart():
 def _on_gloo(group) -> bool:
     if dist.get_world_size(group) == 1:
         return False
-    backend = dist.get_backend(group)
+    backend = groups.backend(group)
     if backend == "fake" and groups.stands_for() is not None:
         backend = groups.stands_for()
     return backend == dist.Backend.GLOO

@@ -284,9 +284,23 @@ def _world_swapped() -> Iterator[None]:
         sys.excepthook = hook
 
 
+def backend(group: dist.ProcessGroup | None = None) -> str:
+    """The backend that carries ``group``'s tensors: its name ("gloo", "nccl", "fake"), or for
+    a group made with one backend per device ("cpu:gloo,cuda:nccl", which
+    ``init_process_group()`` without a backend makes and names "undefined"), the one for the
+    device shardwise computes on: CUDA's where there is a GPU, else the CPU's."""
+    name = str(dist.get_backend(group))
+    if ":" not in name and name != "undefined":
+        return name
+    per_device = dict(part.split(":") for part in dist.get_backend_config(group).split(","))
+    if torch.cuda.is_available() and "cuda" in per_device:
+        return per_device["cuda"]
+    return per_device.get("cpu", name)
+
+
 def device() -> torch.device:
     """The device this rank computes on: its local GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

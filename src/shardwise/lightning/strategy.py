@@ -253,7 +253,7 @@ class ShardwiseStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if groups.backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
