@@ -319,6 +319,23 @@ def _peak_and_end(entries: list[tuple[int, int, int, int]]) -> tuple[int, int]:
 
 
 # --- the public function
+def _micro_batch(probe: nn.Module, inputs, batch_size: int, seq_len: int | None) -> tuple[Callable, str]:
+    """The step's micro-batch (``inputs``, or token ids of ``batch_size`` x ``seq_len``,
+    ``seq_len`` defaulting to the model's ``cfg.seq_len``) and how the plan's title shows it."""
+    if inputs is not None:
+        return inputs, "inputs()"
+    if seq_len is None:
+        seq_len = getattr(getattr(probe, "cfg", None), "seq_len", None)
+        if seq_len is None:
+            raise ShardwiseError("plan() needs seq_len= (or inputs=) to build a micro-batch for this model")
+
+    def tokens() -> tuple:
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return ids, ids
+
+    return tokens, f"{batch_size} x {seq_len}"
+
+
 def _one_plan_for_all(plan_here: Callable[..., Plan]) -> Callable[..., Plan]:
     """``plan_here`` as every rank of a run should call it: inside a run of several ranks
     (torchrun, after ``init()``) rank 0 plans and every rank returns its plan, or raises its
@@ -416,21 +433,11 @@ def plan(
         world_size, strategy, shard_size, cpu_offload, budget, activation_checkpointing, backend
     )
     probe = build()
-    if inputs is None and seq_len is None:
-        seq_len = getattr(getattr(probe, "cfg", None), "seq_len", None)
-        if seq_len is None:
-            raise ShardwiseError(
-                "plan() needs seq_len= (or inputs=) to build a micro-batch for this model"
-            )
-
-    def tokens() -> tuple:
-        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        return ids, ids
-
+    micro_batch, shown = _micro_batch(probe, inputs, batch_size, seq_len)
     precision = MixedPrecision.of(mixed_precision)
     job = _Job(
         build=build,
-        micro_batch=inputs or tokens,
+        micro_batch=micro_batch,
         loss=loss,
         optimizer=optimizer or torch.optim.AdamW,
         precision=precision,
@@ -460,10 +467,9 @@ def plan(
             steps, dropped = planner.search(names, wrap, strategies[0].hybrid, world_size, backend)
             estimates = [s.estimate for s in steps]
     n_params = sum(p.numel() for p in probe.parameters())
-    tokens_shown = f"{batch_size} x {seq_len}" if inputs is None else "inputs()"
     title = (
         f"{n_params:,} parameters, {world_size} rank{'s' * (world_size > 1)} ({backend}), "
-        f"micro-batch {tokens_shown} per rank, {job.precision_name}, optimizer {planner.optimizer_name}"
+        f"micro-batch {shown} per rank, {job.precision_name}, optimizer {planner.optimizer_name}"
     )
     result = Plan(estimates, title, n_params, one_memory=planner.one_memory, path=steps, dropped=dropped)
     if budget is not None:
