@@ -22,6 +22,7 @@ from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
 from shardwise.planner import plan as P
 from shardwise.planner.costs import Rates
+from shardwise.planner.estimate import estimate_of
 from shardwise.policies import MixedPrecision, Settings, UnitConfig
 
 WORLD = 2
@@ -37,6 +38,7 @@ def planned(name: str) -> P.Plan:
         batch_size=BATCH,
         inputs=inputs,
         loss=loss_fn,
+        holds_output=False,  # (step() below drops the output with its loss function's frame)
         backend="gloo",
         budget="1GiB",
     )
@@ -113,11 +115,11 @@ def planned_settings(name: str, settings) -> tuple[P.Estimate, int]:
     job = P._Job(
         build=P._meta_factory(build), micro_batch=inputs or tokens, loss=loss_fn,
         optimizer=torch.optim.AdamW, precision=MixedPrecision(), precision_name="fp32",
-        checkpointing=None, max_unsharded=2, shard_size=None,
+        checkpointing=None, max_unsharded=2, shard_size=None, holds_output=False,
     )
     with groups.fake_world(1, "nccl"), collectives.apart():
         data, _, shard_bytes, host = P._run(job, settings, False)
-    e = P._estimate(
+    e = estimate_of(
         data, shard_bytes, settings, host, checkpointing=False, precision_name="fp32",
         one_memory=False,
     )
@@ -198,7 +200,8 @@ def test_activation_offload_chosen_on_two_memories(pools, monkeypatch, name):
     build, block, inputs, loss_fn = MODELS[name]
     kw = dict(
         world_size=1, strategy="full_shard", wrap=shardwise.wrap.by_class(block),
-        batch_size=BATCH, inputs=inputs, loss=loss_fn, backend="nccl", cpu_offload=True,
+        batch_size=BATCH, inputs=inputs, loss=loss_fn, holds_output=False, backend="nccl",
+        cpu_offload=True,
     )
     none = P.plan(build, **kw).estimates[0].peak
     every = P.plan(build, activation_checkpointing=kw["wrap"], **kw).estimates[0].peak

@@ -43,6 +43,21 @@ def test_pack_gather_unpack_round_trip(world):
             assert v.shape == t.shape and torch.equal(v, t)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_pack_into_one_rank_major_tensor_equals_rank_by_rank(world):
+    """NCCL's rows are one rank-major tensor, packed slot by slot: the same bytes as packing
+    rank by rank (casts, zero padding and ranks holding none of a parameter included)."""
+    shapes = [*SHAPES, ("tall", (9, 2)), ("wide", (3, 16))]
+    lay = Layout.build(shapes, world)
+    full = [torch.randn(shape) for _, shape in shapes]
+    for dtype in (torch.float32, torch.bfloat16):
+        by_rank = torch.full((world, lay.sizes[0]), float("nan"), dtype=dtype)
+        lay.pack(full, list(by_rank))
+        whole = torch.full((world, lay.sizes[0]), float("nan"), dtype=dtype)
+        lay.pack(full, list(whole), whole)
+        assert torch.equal(whole, by_rank), (world, dtype)
+
+
 def test_subset_keeps_shapes_and_recomputes_offsets():
     lay = Layout.build(SHAPES, 3)
     sub = lay.subset([True, False, True, False, True])

@@ -36,6 +36,7 @@ from .checkpoint import (
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
 from .groups import init
+from .options import ShardOptions
 from .policies import Comm, MixedPrecision, Settings, UnitConfig
 from .recompute import checkpoint_activations
 from .scaler import GradScaler
@@ -71,6 +72,7 @@ __all__ = [
     "Comm",
     "UnitConfig",
     "Settings",
+    "ShardOptions",
     "GradScaler",
     "save",
     "load",

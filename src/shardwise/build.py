@@ -21,6 +21,7 @@ from . import collectives as C
 from . import groups, optimizer_guard, streams
 from . import placement as placements
 from .activation_offload import offload_activations
+from .conversions import guard_conversions
 from .errors import ShardwiseError
 from .groups import Mesh
 from .layout import Layout, Slot
@@ -267,6 +268,7 @@ def build(
         module, units, sharding, layout_mesh, max_unsharded, precision,
         groups.host_group(layout_mesh.whole), comm, outer,
     )
+    guard_conversions(module, rt)  # Note [conversions after shard()]
     for kind in ("full", "selective"):
         recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
         if recomputed:

@@ -361,11 +361,11 @@ class ShardedUnit(Unit):
             self.reduce_issued = True
             return
         buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
-        self.grad_layout.pack(grads, buf.rows)  # casts to the reduction dtype on the way
+        self.grad_layout.pack(grads, buf.rows, buf.full)  # casts to the reduction dtype on the way
         del grads
         self._predivided = self.reduce_dtype.itemsize < 4
         if self._predivided:
-            for row in buf.rows:
+            for row in [buf.full] if buf.full is not None else buf.rows:
                 row.div_(self.world * self.replicas)
         self._reduce_out = buf.out
         self._replica = None
