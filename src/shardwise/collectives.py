@@ -66,8 +66,9 @@ from .codecs import Codec
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "broadcast", "step_check")
+# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
+# weight_sync: weights handed from this rank to an inference engine (shardwise.rl), booked as sent
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "broadcast", "step_check", "weight_sync")
 
 
 @dataclass
@@ -140,6 +141,17 @@ class Pending:
         self.works = self.finish = self.buffers = None
         if events.listeners:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
+
+
+def book_sent(kind: str, nbytes: int, payload_bytes: int, seconds: float) -> None:
+    """Book one message this rank sent outside the process groups (to an inference engine):
+    ``nbytes`` on the wire, standing for ``payload_bytes`` of dense tensors."""
+    s = _stats[kind]
+    s.calls += 1
+    s.bytes += nbytes
+    s.payload_bytes += payload_bytes
+    s.seconds += seconds
+    s.wait_seconds += seconds
 
 
 def _cause(exc: BaseException) -> str:

@@ -1,0 +1,154 @@
+"""The bucket format both sides of a push share: tensors, pieces of tensors and sparse patches
+packed into one flat byte buffer, described by JSON-safe entries.
+
+A dense entry holds elements ``[start, start + count)`` of a tensor (a tensor larger than the
+space left in a bucket continues in the next one); a sparse entry holds ``count`` flat indices
+and the values at them (delta mode). Every entry names the tensor's full shape and dtype, so
+the engine checks each one against what was declared at the handshake.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN = 64  # every entry's data starts at a multiple of this many bytes
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a weight update")
+    return dtype
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class Bucket:
+    """One staging buffer being filled: its bytes and the entries in it."""
+
+    data: torch.Tensor  # uint8
+    index: int  # which of the transport's buffers
+    used: int = 0
+    entries: list[dict] = field(default_factory=list)
+
+    def space(self) -> int:
+        return self.data.numel() - _aligned(self.used)
+
+    def take(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` (aligned) and return their offset."""
+        offset = _aligned(self.used)
+        self.used = offset + nbytes
+        return offset
+
+
+class Packer:
+    """Packs dense tensors (from the segments they lie in, cast on the way) and sparse patches
+    into buckets; ``ship(bucket)`` takes each full bucket, ``acquire()`` hands out an empty one
+    (waiting for one to come back when all are in flight). ``flush()`` ships the last one."""
+
+    def __init__(self, acquire: Callable[[], Bucket], ship: Callable[[Bucket], None]):
+        self.acquire, self.ship = acquire, ship
+        self.bucket: Bucket | None = None
+
+    def _room(self, need: int) -> Bucket:
+        """A bucket with at least ``need`` bytes free (``need`` <= a bucket's size)."""
+        if self.bucket is not None and self.bucket.space() < need:
+            self.flush()
+        if self.bucket is None:
+            self.bucket = self.acquire()
+            if self.bucket.space() < need:
+                raise ValueError(f"a bucket of {self.bucket.data.numel()} bytes cannot hold {need}")
+        return self.bucket
+
+    def dense(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], segments: list[tuple[int, torch.Tensor]]) -> None:
+        """Elements of tensor ``name`` given as ``(start, flat tensor)`` segments (together the
+        whole tensor, or the rows one rank sends), written in ``dtype``, split across buckets."""
+        item = dtype.itemsize
+        for start, seg in segments:
+            done = 0
+            while done < seg.numel():
+                bucket = self._room(item)
+                n = min(seg.numel() - done, bucket.space() // item)
+                offset = bucket.take(n * item)
+                bucket.data[offset : offset + n * item].view(dtype).copy_(seg[done : done + n])
+                bucket.entries.append(_dense(name, dtype, shape, start + done, n, offset))
+                done += n
+
+    def sparse(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], indices: torch.Tensor, values: torch.Tensor) -> None:
+        """A patch: ``values`` at flat ``indices`` of tensor ``name``, split across buckets."""
+        per, done = indices.element_size() + values.element_size(), 0
+        while done < indices.numel():
+            bucket = self._room(2 * ALIGN + per)
+            n = min(indices.numel() - done, (bucket.space() - 2 * ALIGN) // per)
+            at_i = bucket.take(n * indices.element_size())
+            bucket.data[at_i : at_i + n * indices.element_size()].view(indices.dtype).copy_(indices[done : done + n])
+            at_v = bucket.take(n * values.element_size())
+            bucket.data[at_v : at_v + n * values.element_size()].view(dtype).copy_(values[done : done + n])
+            bucket.entries.append(
+                {"name": name, "dtype": dtype_name(dtype), "shape": list(shape), "kind": "sparse",
+                 "count": n, "offset": at_v, "index_dtype": dtype_name(indices.dtype), "index_offset": at_i}
+            )
+            done += n
+
+    def flush(self) -> None:
+        if self.bucket is not None and self.bucket.entries:
+            self.ship(self.bucket)
+            self.bucket = None
+
+
+def _dense(name: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, count: int, offset: int) -> dict:
+    return {"name": name, "dtype": dtype_name(dtype), "shape": list(shape), "kind": "dense",
+            "start": start, "count": count, "offset": offset}
+
+
+@dataclass
+class Piece:
+    """One decoded entry: a view into the received bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    values: torch.Tensor  # flat, ``count`` elements
+    start: int = 0  # dense: the first element's flat index
+    indices: torch.Tensor | None = None  # sparse: flat indices
+
+    @property
+    def whole(self) -> bool:
+        return self.indices is None and self.start == 0 and self.values.numel() == math.prod(self.shape)
+
+
+def decode(data: torch.Tensor, entries: list[dict]) -> list[Piece]:
+    """The pieces of one bucket, as views of ``data`` (uint8); malformed entries raise."""
+    out = []
+    for e in entries:
+        dtype, shape, count = dtype_of(e["dtype"]), tuple(e["shape"]), int(e["count"])
+        values = _view(data, int(e["offset"]), count, dtype, e["name"])
+        if e["kind"] == "dense":
+            start = int(e["start"])
+            if start < 0 or start + count > math.prod(shape):
+                raise ValueError(f"piece [{start}, {start + count}) of '{e['name']}' lies outside its shape {shape}")
+            out.append(Piece(e["name"], dtype, shape, values, start))
+        elif e["kind"] == "sparse":
+            indices = _view(data, int(e["index_offset"]), count, dtype_of(e["index_dtype"]), e["name"])
+            out.append(Piece(e["name"], dtype, shape, values, indices=indices))
+        else:
+            raise ValueError(f"unknown entry kind {e['kind']!r} for '{e['name']}'")
+    return out
+
+
+def _view(data: torch.Tensor, offset: int, count: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    end = offset + count * dtype.itemsize
+    if offset < 0 or end > data.numel() or offset % dtype.itemsize:
+        raise ValueError(f"entry of '{name}' at bytes [{offset}, {end}) lies outside the {data.numel()}-byte bucket")
+    return data[offset:end].view(dtype)
