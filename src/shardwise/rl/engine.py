@@ -82,9 +82,10 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
         self.declared = {n: (wire.dtype_of(d), tuple(s)) for n, d, s in init_info.tensors}
         problems = check_names(self.model, self.declared)
         if problems:
+            more = f"\n  ... and {len(problems) - 6} more" if len(problems) > 6 else ""
             raise ValueError(
-                "the trainer's weights do not fit this engine's model (nothing was sent):\n  "
-                + "\n  ".join(problems)
+                f"{len(problems)} of the trainer's tensors do not fit this engine's model (nothing "
+                "was sent):\n  " + "\n  ".join(problems[:6]) + more
             )
         self.delta = init_info.delta
         if init_info.transport == "shm":
@@ -139,6 +140,7 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
             self.mirror, self.partial = ({} if self.delta else self.mirror), {}
             if not self.delta:
                 finalize_layerwise_reload(self.model, self.model_config)
+                repack_experts(self.model)
             return
         if self.partial:
             names = ", ".join(sorted(self.partial)[:5])
@@ -155,6 +157,7 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
             initialize_layerwise_reload(self.model)
             self._load([(n, t.view(self.declared[n][1])) for n, t in self.mirror.items()])
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_experts(self.model)
 
     def shutdown(self) -> None:
         if self.reader is not None:
@@ -227,7 +230,8 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
                 with CopyCounter() as counter:
                     got = model.load_weights([(name, torch.empty(shape, dtype=dtype, device="meta"))])
             except Exception as e:  # the loader's own words: unknown name, wrong shape
-                problems.append(f"'{name}' {list(shape)}: {type(e).__name__}: {e}")
+                words = str(e).split(". ")[0][:160]
+                problems.append(f"'{name}' {list(shape)}: {type(e).__name__}: {words}")
                 continue
             copied += counter.copied_numel
             if not got:
@@ -250,3 +254,18 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
             layer._non_persistent_buffers_set.clear()
             layer._non_persistent_buffers_set.update(non_persistent)
     return problems
+
+
+def repack_experts(model: torch.nn.Module) -> None:
+    """Work around vLLM 0.32: after a weight update, an unquantized mixture-of-experts layer
+    re-runs its own post-load processing but skips its experts' (``_setup_kernel`` calls
+    ``fused_experts.process_weights_after_loading`` on the first load only), which on CPU is
+    the prepacking of the expert weights for the grouped kernels: the layer then computes on
+    unpacked weights, off by about 1e-2 in logprobs (``reload_weights`` from disk shows the
+    same). Run that step, as the first load does."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
+            method.moe_kernel.fused_experts.process_weights_after_loading(m)
