@@ -11,6 +11,13 @@ either side of vLLM's weight-transfer API), plugin (vLLM's entry point). docs/rl
 """
 
 from .clients import EngineError
-from .sync import VLLMSync
 
 __all__ = ["VLLMSync", "EngineError"]
+
+
+def __getattr__(name: str):
+    if name == "VLLMSync":  # imports vLLM: only when asked for
+        from .sync import VLLMSync
+
+        return VLLMSync
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

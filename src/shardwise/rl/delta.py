@@ -51,10 +51,9 @@ class Shadow:
         changed = (cur.view(bits) != old.view(bits)).nonzero().view(-1)
         if changed.numel() == 0:
             return None
-        index = torch.int32 if first + cur.numel() < 2**31 else torch.int64
-        if changed.numel() * (index.itemsize + dtype.itemsize) >= cur.numel() * dtype.itemsize:
-            old.copy_(cur)
+        if changed.numel() * (1 + dtype.itemsize) >= cur.numel() * dtype.itemsize:
+            old.copy_(cur)  # (a patch takes at least a byte per index besides the value)
             return Patch(export, first, old)
         values = cur[changed]
         old[changed] = values
-        return Patch(export, first, values, (changed + first).to(index))
+        return Patch(export, first, values, changed + first)

@@ -2,8 +2,9 @@
 packed into one flat byte buffer, described by JSON-safe entries.
 
 A dense entry holds elements ``[start, start + count)`` of a tensor (a tensor larger than the
-space left in a bucket continues in the next one); a sparse entry holds ``count`` flat indices
-and the values at them (delta mode). Every entry names the tensor's full shape and dtype, so
+space left in a bucket continues in the next one); a sparse entry holds ``count`` values and
+where they go (delta mode): the first flat index, then the gaps between successive ones in the
+narrowest integer type that holds them. Every entry names the tensor's full shape and dtype, so
 the engine checks each one against what was declared at the handshake.
 """
 
@@ -79,25 +80,46 @@ class Packer:
             done = 0
             while done < seg.numel():
                 bucket = self._room(item)
-                n = min(seg.numel() - done, bucket.space() // item)
-                offset = bucket.take(n * item)
+                last = bucket.entries[-1] if bucket.entries else None
+                follows = (  # the rest of the piece just written: extend it, no padding
+                    last is not None and last["name"] == name and last["kind"] == "dense"
+                    and last["start"] + last["count"] == start + done
+                    and last["offset"] + last["count"] * item == bucket.used
+                )
+                free = bucket.data.numel() - bucket.used if follows else bucket.space()
+                n = min(seg.numel() - done, free // item)
+                if n == 0:
+                    self.flush()
+                    continue
+                offset = bucket.used if follows else bucket.take(0)
+                bucket.used = offset + n * item
                 bucket.data[offset : offset + n * item].view(dtype).copy_(seg[done : done + n])
-                bucket.entries.append(_dense(name, dtype, shape, start + done, n, offset))
+                if follows:
+                    last["count"] += n
+                else:
+                    bucket.entries.append(_dense(name, dtype, shape, start + done, n, offset))
                 done += n
 
     def sparse(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], indices: torch.Tensor, values: torch.Tensor) -> None:
-        """A patch: ``values`` at flat ``indices`` of tensor ``name``, split across buckets."""
-        per, done = indices.element_size() + values.element_size(), 0
+        """A patch: ``values`` at increasing flat ``indices`` of tensor ``name``, split across
+        buckets. Each piece stores its first index and the gaps to the next ones in the
+        narrowest integer type that holds them (one byte where changes are dense)."""
+        indices = indices.long()
+        gaps = indices[1:] - indices[:-1]
+        widest = int(gaps.max()) if gaps.numel() else 0
+        gap_dtype = torch.uint8 if widest < 256 else torch.int16 if widest < 2**15 else torch.int32
+        per, done = gap_dtype.itemsize + values.element_size(), 0
         while done < indices.numel():
             bucket = self._room(2 * ALIGN + per)
             n = min(indices.numel() - done, (bucket.space() - 2 * ALIGN) // per)
-            at_i = bucket.take(n * indices.element_size())
-            bucket.data[at_i : at_i + n * indices.element_size()].view(indices.dtype).copy_(indices[done : done + n])
+            at_g = bucket.take((n - 1) * gap_dtype.itemsize)
+            bucket.data[at_g : at_g + (n - 1) * gap_dtype.itemsize].view(gap_dtype).copy_(gaps[done : done + n - 1])
             at_v = bucket.take(n * values.element_size())
             bucket.data[at_v : at_v + n * values.element_size()].view(dtype).copy_(values[done : done + n])
             bucket.entries.append(
                 {"name": name, "dtype": dtype_name(dtype), "shape": list(shape), "kind": "sparse",
-                 "count": n, "offset": at_v, "index_dtype": dtype_name(indices.dtype), "index_offset": at_i}
+                 "count": n, "offset": at_v, "first": int(indices[done]), "gap_dtype": dtype_name(gap_dtype),
+                 "gap_offset": at_g}
             )
             done += n
 
@@ -140,7 +162,14 @@ def decode(data: torch.Tensor, entries: list[dict]) -> list[Piece]:
                 raise ValueError(f"piece [{start}, {start + count}) of '{e['name']}' lies outside its shape {shape}")
             out.append(Piece(e["name"], dtype, shape, values, start))
         elif e["kind"] == "sparse":
-            indices = _view(data, int(e["index_offset"]), count, dtype_of(e["index_dtype"]), e["name"])
+            gaps = _view(data, int(e["gap_offset"]), count - 1, dtype_of(e["gap_dtype"]), e["name"])
+            indices = torch.empty(count, dtype=torch.int64)
+            if count:
+                indices[0] = int(e["first"])
+                torch.cumsum(gaps.long(), 0, out=indices[1:])
+                indices[1:] += indices[0]
+            if count and (indices[0] < 0 or indices[-1] >= math.prod(shape) or (gaps.long() <= 0).any()):
+                raise ValueError(f"patch of '{e['name']}' has indices outside its shape {shape} or out of order")
             out.append(Piece(e["name"], dtype, shape, values, indices=indices))
         else:
             raise ValueError(f"unknown entry kind {e['kind']!r} for '{e['name']}'")
