@@ -178,6 +178,13 @@ def reference_model(kind: str, state: dict, lora: bool = False, round_to: torch.
 
 
 # --- what the trainer ranks run (tests/pool.py workers)
+def warm() -> None:
+    """Import vLLM's trainer side and transformers' models in a pool's workers (tens of
+    seconds on a busy machine: a task of its own, within the pool's task timeout)."""
+    import transformers  # noqa: F401
+    from shardwise.rl.sync import VLLMSync  # noqa: F401
+
+
 def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: str = "full_shard",
              shard_size: int | None = None, placement: str | None = None, mixed_precision: str | None = None,
              dtype: str = "float32", transport: str = "auto", delta: bool = False, lr: float = 1e-2,

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from .. import collectives as C
 from ..checkpoint.state import runtime_of
+from ..runtime import require_idle
 from . import wire
 from .clients import EngineError
 from .delta import Patch, Shadow
@@ -117,19 +118,18 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
             raise EngineError(f"unknown transport {info.transport!r}: 'shm' or 'tcp'")
         declared = [[e.name, wire.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
         payload = {**self.writer.init_info(), "tensors": declared, "delta": info.delta, "timeout": info.timeout}
-        with ThreadPoolExecutor(max_workers=1) as pool:  # tcp: both sides join the group at once
-            joined = pool.submit(self.writer.connect)
-            try:
-                self.client.init_weight_transfer_engine(payload)
-            finally:
-                if not joined.done() and self.info.transport == "tcp":
-                    self.writer.close()  # unblocks a rendezvous the engine never joined
-            joined.result()
+        # tcp: both sides join the group at once. The engine checks the names first and
+        # joins only if they fit; a refused handshake leaves the joining thread to time out.
+        joined: Future = Future()
+        threading.Thread(target=_run_into, args=(self.writer.connect, joined), daemon=True).start()
+        self.client.init_weight_transfer_engine(payload)
+        joined.result(timeout=info.timeout)
         self.writer.connected()
 
     def send_weights(self, version: int = 0) -> None:
         """Push every weight (full) or what changed (delta, after a full push); collective."""
         src, rt = self.source, self.source.rt
+        require_idle(rt, "VLLMSync.push")
         delta = self.info.delta and self.shadow.valid
         payload = sum(e.nbytes for e in src.exports)
         sender = _Sender(self.client, self.writer, version, payload, self.info.delta) if self.is_sender else None
@@ -294,6 +294,13 @@ class _Sender:
                     " (the engine holds a partial update: generate only after the next push)"
                 )
         return problem
+
+
+def _run_into(fn, future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # handed to the waiting caller
+        future.set_exception(e)
 
 
 def _agree_flag(sender: _Sender | None) -> bool:
