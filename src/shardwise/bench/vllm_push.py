@@ -167,6 +167,7 @@ def run_rank(cfg: Config) -> dict:
     try:
         if rank == 0:
             model.save_pretrained(work / "start")
+            _say("starting the engine")
             from vllm import LLM
 
             llm = LLM(model=str(work / "start"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
@@ -181,11 +182,13 @@ def run_rank(cfg: Config) -> dict:
         out["largest_unit_bytes"] = _largest_unit(model)
         out["bucket_bytes"] = cfg.bucket_mb << 20
         out["copy_bytes_per_s"] = copy_bandwidth(out["wire_bytes"]) if rank == 0 else 0.0
-        out["shardwise"] = _measure_pushes(model, llm, cfg, base)
-        out["naive"] = _measure_naive(model, llm, cfg, base, work)
-        out["delta"] = _measure_delta(model, llm, cfg)
+        for way, measure in (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta)):
+            _say(f"measuring {way}")
+            out[way] = measure(model, llm, cfg, base, work)
         return out
     finally:
+        if llm is not None:  # its engine is a child this process would wait for at exit
+            llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -199,7 +202,12 @@ def _largest_unit(model) -> int:
                for u in rt.units)
 
 
-def _measure_pushes(model, llm, cfg: Config, base: int) -> dict:
+def _say(what: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[bench --vllm {time.strftime('%H:%M:%S')}] {what}", flush=True)
+
+
+def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
     import shardwise.rl
 
     sync = shardwise.rl.VLLMSync(model, llm, bucket_bytes=cfg.bucket_mb << 20)
@@ -240,7 +248,7 @@ def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
     return {"seconds": statistics.median(times), "all_seconds": times, "extra_bytes": _largest(peak)}
 
 
-def _measure_delta(model, llm, cfg: Config) -> dict:
+def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
     import shardwise
     import shardwise.rl
 
