@@ -109,17 +109,38 @@ def test_segments_of_gathered_rows_are_the_parameters():
         assert torch.equal(out.view(t.shape), t)
 
 
-def test_shadow_sends_changed_values_or_rows():
+def test_shadow_sends_steps_values_or_rows():
+    """What changed since the last push: the steps a value moved where it moved a few, its new
+    value where it moved far (here: across zero), the rows where that is no smaller; applied
+    to what was sent before, the patches give the new rows bit for bit."""
     shadow = Shadow()
-    rows = torch.randn(8, 16)
+    rows = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     shadow.store(0, rows, torch.bfloat16)
-    assert shadow.patch(0, 32, rows, torch.bfloat16) is None  # nothing changed
+    sent = rows.reshape(-1).to(torch.bfloat16).clone()
+    assert shadow.patch(0, 32, rows, torch.bfloat16) == []  # nothing changed
     moved = rows.clone()
-    moved[3, 5] += 1.0
-    moved[6, 0] = -moved[6, 0]
-    p = shadow.patch(0, 32, moved, torch.bfloat16)
-    assert p.indices.tolist() == [32 + 3 * 16 + 5, 32 + 6 * 16]
-    assert torch.equal(p.values, moved.reshape(-1).to(torch.bfloat16)[[53, 96]])
-    assert shadow.patch(0, 32, moved, torch.bfloat16) is None  # remembered
-    p = shadow.patch(0, 32, moved + 1.0, torch.bfloat16)  # everything: rows are smaller
+    moved[3, 5] *= 1.01  # a few steps
+    moved[6, 0] = -moved[6, 0]  # across zero: far
+    patches = shadow.patch(0, 32, moved, torch.bfloat16)
+    steps, values = sorted(patches, key=lambda p: not p.steps)
+    assert steps.steps and steps.indices.tolist() == [32 + 3 * 16 + 5] and steps.values.dtype == torch.int8
+    assert 0 < abs(int(steps.values[0])) < 128
+    assert not values.steps and values.indices.tolist() == [32 + 6 * 16]
+    bits = sent.view(torch.int16)  # as the engine applies them
+    bits[steps.indices - 32] += steps.values.to(torch.int16)
+    sent[values.indices - 32] = values.values
+    assert torch.equal(sent, moved.reshape(-1).to(torch.bfloat16))
+    assert shadow.patch(0, 32, moved, torch.bfloat16) == []  # remembered
+    (p,) = shadow.patch(0, 32, moved + 1.0, torch.bfloat16)  # everything: the rows are smaller
     assert p.indices is None and p.first == 32 and torch.equal(p.values, (moved + 1.0).reshape(-1).to(torch.bfloat16))
+
+
+def test_steps_round_trip_through_a_bucket():
+    buffers = [torch.zeros(1024, dtype=torch.uint8) for _ in range(2)]
+    shipped = []
+    packer = wire.Packer(lambda: wire.Bucket(buffers[0], 0), lambda b: shipped.append((b.data[: b.used].clone(), list(b.entries))))
+    idx, steps = torch.tensor([3, 7, 300]), torch.tensor([1, -2, 127], dtype=torch.int8)
+    packer.sparse("w", torch.bfloat16, (20, 20), idx, steps, steps=True)
+    packer.flush()
+    (piece,) = [p for data, entries in shipped for p in wire.decode(data, entries)]
+    assert piece.steps and torch.equal(piece.indices, idx) and torch.equal(piece.values, steps)

@@ -143,15 +143,16 @@ class Pending:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
 
 
-def book_sent(kind: str, nbytes: int, payload_bytes: int, seconds: float) -> None:
-    """Book one message this rank sent outside the process groups (to an inference engine):
-    ``nbytes`` on the wire, standing for ``payload_bytes`` of dense tensors."""
+def book_sent(kind: str, nbytes: int, payload_bytes: int, seconds: float, wait_seconds: float) -> None:
+    """Book one transfer this rank made outside the process groups (a push to an inference
+    engine): ``nbytes`` on the wire, standing for ``payload_bytes`` of dense tensors, over
+    ``seconds``, ``wait_seconds`` of them blocked on the receiver."""
     s = _stats[kind]
     s.calls += 1
     s.bytes += nbytes
     s.payload_bytes += payload_bytes
     s.seconds += seconds
-    s.wait_seconds += seconds
+    s.wait_seconds += wait_seconds
 
 
 def _cause(exc: BaseException) -> str:

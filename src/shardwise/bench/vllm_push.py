@@ -208,10 +208,12 @@ def _say(what: str) -> None:
 
 
 def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
+    import shardwise
     import shardwise.rl
 
     sync = shardwise.rl.VLLMSync(model, llm, bucket_bytes=cfg.bucket_mb << 20)
     sync.push()  # warm: staging pages resident, engine buffers allocated
+    waited = shardwise.comm_stats()["weight_sync"].wait_seconds
     times, peak = [], 0
     for _ in range(cfg.pushes):
         dist.barrier()
@@ -221,7 +223,9 @@ def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
             times.append(_slowest(time.perf_counter() - t0))
         peak = max(peak, mem.peak - base)
     sync.close()
-    return {"seconds": statistics.median(times), "all_seconds": times, "extra_bytes": _largest(peak)}
+    engine = (shardwise.comm_stats()["weight_sync"].wait_seconds - waited) / cfg.pushes
+    return {"seconds": statistics.median(times), "all_seconds": times, "extra_bytes": _largest(peak),
+            "engine_wait_seconds": engine}
 
 
 def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
@@ -311,6 +315,8 @@ def report(cfg: Config, r: dict) -> None:
         f"- copy bandwidth {r['copy_bytes_per_s'] / 1e9:.2f} GB/s; bucket {r['bucket_bytes'] / mib:.0f} MiB, "
         f"largest unit {r['largest_unit_bytes'] / mib:.1f} MiB: allowed extra {allowed / mib:.1f} MiB, "
         f"shardwise took {sw['extra_bytes'] / mib:.1f} MiB",
+        f"- of a shardwise push, rank 0 waited {sw['engine_wait_seconds']:.3f} s on the engine (loading, "
+        "vLLM's layerwise reload and its repacking of weights for the CPU kernels)",
         f"- delta pushes sent {delta['bytes_ratio']:.3f}x a full push's bytes (median of {len(delta['all_ratios'])}: "
         + ", ".join(f"{x:.3f}" for x in delta["all_ratios"]) + ")",
         f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}; <= 0.5x naive: "

@@ -4,8 +4,11 @@ engine and verl's ``delta_sharded`` send them.
 Each rank keeps the rows it answers for (``source.local_rows``) as last pushed, in the wire
 dtype, and compares the new ones bit for bit in that dtype: a bf16 value changes only when an
 update crosses a rounding step, which at RL learning rates most do not. What changed goes as
-flat indices and values, or as the rows themselves where that is smaller. No rank holds more
-than its own rows' copy: memory and comparison work shrink with the number of ranks.
+flat indices and, for each, the number of representable steps it moved (one signed byte: at
+RL learning rates nearly every change is a step or two; the bit patterns of same-signed
+floats are ordered) or its new value where it moved further; rows where that is no smaller
+go whole. The engine holds exactly what was sent, so it applies steps to the same bits. No
+rank holds more than its own rows' copy: memory and comparison work shrink with the ranks.
 """
 
 from __future__ import annotations
@@ -14,18 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
 class Patch:
-    """What one rank sends for one tensor: dense rows from ``first`` (``indices`` None) or
-    the values at flat ``indices``."""
+    """What one rank sends for one tensor: dense rows from ``first`` (``indices`` None), the
+    new values at flat ``indices``, or (``steps``) how many steps each value there moved."""
 
     export: int  # the export's position in the push
     first: int
     values: torch.Tensor
     indices: torch.Tensor | None = None
+    steps: bool = False
 
 
 class Shadow:
@@ -43,17 +47,27 @@ class Shadow:
         """After a full push: remember the rows sent."""
         self.rows[export] = rows.reshape(-1).to(dtype, copy=True)
 
-    def patch(self, export: int, first: int, rows: torch.Tensor, dtype: torch.dtype) -> Patch | None:
-        """The change of these rows since the last push (None: unchanged), and remember them."""
+    def patch(self, export: int, first: int, rows: torch.Tensor, dtype: torch.dtype) -> list[Patch]:
+        """The change of these rows since the last push ([] when none), and remember them."""
         cur = rows.reshape(-1).to(dtype)
         old = self.rows[export]
-        bits = _BITS[dtype.itemsize]
-        changed = (cur.view(bits) != old.view(bits)).nonzero().view(-1)
+        bits = BITS[dtype.itemsize]
+        new_bits, old_bits = cur.view(bits), old.view(bits)
+        changed = (new_bits != old_bits).nonzero().view(-1)
         if changed.numel() == 0:
-            return None
-        if changed.numel() * (1 + dtype.itemsize) >= cur.numel() * dtype.itemsize:
-            old.copy_(cur)  # (a patch takes at least a byte per index besides the value)
-            return Patch(export, first, old)
-        values = cur[changed]
-        old[changed] = values
-        return Patch(export, first, values, changed + first)
+            return []
+        moved = new_bits[changed].long() - old_bits[changed].long()
+        near = (moved >= -128) & (moved <= 127)
+        n_near = int(near.sum())
+        # at least a byte of index each, and a byte of steps or a whole value
+        if 2 * n_near + (1 + dtype.itemsize) * (changed.numel() - n_near) >= cur.numel() * dtype.itemsize:
+            old.copy_(cur)
+            return [Patch(export, first, old)]
+        out = []
+        if near.any():
+            out.append(Patch(export, first, moved[near].to(torch.int8), changed[near] + first, steps=True))
+        if not near.all():
+            far = changed[~near]
+            out.append(Patch(export, first, cur[far], far + first))
+        old[changed] = cur[changed]
+        return out

@@ -12,8 +12,9 @@ and drops the originals, so nothing may be written in place.
   first: the layerwise reload keeps what it is handed until its layer is complete, and the
   trainer refills the bucket meanwhile).
 - delta mode: the engine keeps the last tensors it received (in the wire dtype: a mirror of
-  the checkpoint), patches arrive as flat indices and values, and ``finish_weight_update``
-  reloads the patched mirror. Until then the model serves the previous version whole.
+  the checkpoint), patches arrive as flat indices with new values or with the steps each
+  value moved (``delta``), and ``finish_weight_update`` reloads the patched mirror. Until
+  then the model serves the previous version whole.
 
 ``init_transfer_engine`` checks every name and shape the trainer declares against the model's
 loader before any weight moves (a dry run on the meta device: ``check_names``).
@@ -33,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from . import wire
+from .delta import BITS
 from .transport import ShmReader, TcpReader
 
 
@@ -194,8 +196,11 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
             flat = self.mirror[p.name] = torch.empty(math.prod(p.shape), dtype=p.dtype)
         if p.indices is None:
             flat[p.start : p.start + p.values.numel()].copy_(p.values)
+        elif p.steps:  # the trainer stepped the same bits it sent before
+            bits = flat.view(BITS[flat.element_size()])
+            bits[p.indices] += p.values.to(bits.dtype)
         else:
-            flat[p.indices.long()] = p.values
+            flat[p.indices] = p.values
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if not weights:

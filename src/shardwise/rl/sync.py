@@ -11,6 +11,7 @@ engine, through vLLM's weight-transfer API.
 from __future__ import annotations
 
 import socket
+import time
 from urllib.parse import urlparse
 
 import torch
@@ -145,10 +146,11 @@ class VLLMSync:
         """vLLM's own nccl / ipc engine, fed by the same source (not run here: no GPU)."""
         if self.client is not None:
             self.client.version = str(version)
+        t0 = time.perf_counter()
         self.engine.send_weights()
         if self.client is not None:
-            C.book_sent("weight_sync", sum(e.nbytes for e in self.source.exports),
-                        sum(e.nbytes for e in self.source.exports), 0.0)
+            nbytes = sum(e.nbytes for e in self.source.exports)
+            C.book_sent("weight_sync", nbytes, nbytes, time.perf_counter() - t0, 0.0)
 
     def _drop(self) -> None:
         if self.engine is not None:

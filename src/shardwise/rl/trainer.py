@@ -179,9 +179,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         for e in exps:
             rows = local_rows(rt, e, gathered)
             if rows is not None:
-                p = self.shadow.patch(self._index[e.name], rows[0], rows[1], e.dtype)
-                if p is not None:
-                    mine.append(p)
+                mine += self.shadow.patch(self._index[e.name], rows[0], rows[1], e.dtype)
         group = rt.units[unit].group if unit is not None else rt.mesh.shard
         patches = _gather_to_rank0(mine, group)
         if sender:
@@ -190,7 +188,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
                 if p.indices is None:
                     sender.guard(sender.packer.dense, e.name, e.dtype, e.shape, [(p.first, p.values)])
                 else:
-                    sender.guard(sender.packer.sparse, e.name, e.dtype, e.shape, p.indices, p.values)
+                    sender.guard(sender.packer.sparse, e.name, e.dtype, e.shape, p.indices, p.values, p.steps)
 
     @property
     def _index(self) -> dict[str, int]:
@@ -222,6 +220,7 @@ class _Sender:
         self.rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push-rpc")
         self.packer = wire.Packer(self.acquire, self.ship)
         self.sent = 0
+        self.waited = 0.0  # rank 0 blocked on the engine: a bucket to come back, the finish
         self.started = False
         self.t0 = time.perf_counter()
 
@@ -239,11 +238,14 @@ class _Sender:
 
     def finish(self) -> None:
         self.packer.flush()
+        t0 = time.perf_counter()
         self.pool.shutdown(wait=True)
         if self.error is None:
             self.client.finish_weight_update(str(self.version))
+        self.waited += time.perf_counter() - t0
 
     def acquire(self) -> wire.Bucket:
+        t0 = time.perf_counter()
         while True:
             if self.error is not None:
                 raise self.error
@@ -251,6 +253,7 @@ class _Sender:
                 i = self.free.get(timeout=0.2)
             except queue.Empty:
                 continue
+            self.waited += time.perf_counter() - t0
             return wire.Bucket(self.writer.buffers[i], i)
 
     def ship(self, bucket: wire.Bucket) -> None:
@@ -281,7 +284,7 @@ class _Sender:
         self.rpc.shutdown(wait=False)
         e = self.error
         if e is None:
-            C.book_sent("weight_sync", self.sent, self.payload, time.perf_counter() - self.t0)
+            C.book_sent("weight_sync", self.sent, self.payload, time.perf_counter() - self.t0, self.waited)
             return ""
         problem = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
         if self.started:

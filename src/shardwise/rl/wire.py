@@ -2,7 +2,8 @@
 packed into one flat byte buffer, described by JSON-safe entries.
 
 A dense entry holds elements ``[start, start + count)`` of a tensor (a tensor larger than the
-space left in a bucket continues in the next one); a sparse entry holds ``count`` values and
+space left in a bucket continues in the next one); a sparse entry holds ``count`` new values,
+a steps entry how many representable steps each value moved (one signed byte each), and both
 where they go (delta mode): the first flat index, then the gaps between successive ones in the
 narrowest integer type that holds them. Every entry names the tensor's full shape and dtype, so
 the engine checks each one against what was declared at the handshake.
@@ -100,10 +101,11 @@ class Packer:
                     bucket.entries.append(_dense(name, dtype, shape, start + done, n, offset))
                 done += n
 
-    def sparse(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], indices: torch.Tensor, values: torch.Tensor) -> None:
-        """A patch: ``values`` at increasing flat ``indices`` of tensor ``name``, split across
-        buckets. Each piece stores its first index and the gaps to the next ones in the
-        narrowest integer type that holds them (one byte where changes are dense)."""
+    def sparse(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], indices: torch.Tensor, values: torch.Tensor, steps: bool = False) -> None:
+        """A patch at increasing flat ``indices`` of tensor ``name``: new ``values``, or with
+        ``steps`` how many representable steps each value moved (int8), split across buckets.
+        Each piece stores its first index and the gaps to the next ones in the narrowest
+        integer type that holds them (one byte where changes are dense)."""
         indices = indices.long()
         gaps = indices[1:] - indices[:-1]
         widest = int(gaps.max()) if gaps.numel() else 0
@@ -115,9 +117,9 @@ class Packer:
             at_g = bucket.take((n - 1) * gap_dtype.itemsize)
             bucket.data[at_g : at_g + (n - 1) * gap_dtype.itemsize].view(gap_dtype).copy_(gaps[done : done + n - 1])
             at_v = bucket.take(n * values.element_size())
-            bucket.data[at_v : at_v + n * values.element_size()].view(dtype).copy_(values[done : done + n])
+            bucket.data[at_v : at_v + n * values.element_size()].view(values.dtype).copy_(values[done : done + n])
             bucket.entries.append(
-                {"name": name, "dtype": dtype_name(dtype), "shape": list(shape), "kind": "sparse",
+                {"name": name, "dtype": dtype_name(dtype), "shape": list(shape), "kind": "steps" if steps else "sparse",
                  "count": n, "offset": at_v, "first": int(indices[done]), "gap_dtype": dtype_name(gap_dtype),
                  "gap_offset": at_g}
             )
@@ -144,6 +146,7 @@ class Piece:
     values: torch.Tensor  # flat, ``count`` elements
     start: int = 0  # dense: the first element's flat index
     indices: torch.Tensor | None = None  # sparse: flat indices
+    steps: bool = False  # ``values`` are how many representable steps each value moved (int8)
 
     @property
     def whole(self) -> bool:
@@ -155,13 +158,13 @@ def decode(data: torch.Tensor, entries: list[dict]) -> list[Piece]:
     out = []
     for e in entries:
         dtype, shape, count = dtype_of(e["dtype"]), tuple(e["shape"]), int(e["count"])
-        values = _view(data, int(e["offset"]), count, dtype, e["name"])
+        values = _view(data, int(e["offset"]), count, torch.int8 if e["kind"] == "steps" else dtype, e["name"])
         if e["kind"] == "dense":
             start = int(e["start"])
             if start < 0 or start + count > math.prod(shape):
                 raise ValueError(f"piece [{start}, {start + count}) of '{e['name']}' lies outside its shape {shape}")
             out.append(Piece(e["name"], dtype, shape, values, start))
-        elif e["kind"] == "sparse":
+        elif e["kind"] in ("sparse", "steps"):
             gaps = _view(data, int(e["gap_offset"]), count - 1, dtype_of(e["gap_dtype"]), e["name"])
             indices = torch.empty(count, dtype=torch.int64)
             if count:
@@ -170,7 +173,7 @@ def decode(data: torch.Tensor, entries: list[dict]) -> list[Piece]:
                 indices[1:] += indices[0]
             if count and (indices[0] < 0 or indices[-1] >= math.prod(shape) or (gaps.long() <= 0).any()):
                 raise ValueError(f"patch of '{e['name']}' has indices outside its shape {shape} or out of order")
-            out.append(Piece(e["name"], dtype, shape, values, indices=indices))
+            out.append(Piece(e["name"], dtype, shape, values, indices=indices, steps=e["kind"] == "steps"))
         else:
             raise ValueError(f"unknown entry kind {e['kind']!r} for '{e['name']}'")
     return out
