@@ -52,22 +52,23 @@ class Shadow:
         cur = rows.reshape(-1).to(dtype)
         old = self.rows[export]
         bits = BITS[dtype.itemsize]
-        new_bits, old_bits = cur.view(bits), old.view(bits)
-        changed = (new_bits != old_bits).nonzero().view(-1)
-        if changed.numel() == 0:
+        wide = torch.int64 if dtype.itemsize == 8 else torch.int32
+        moved = cur.view(bits).to(wide) - old.view(bits).to(wide)  # steps between bit patterns
+        changed = moved != 0
+        n_changed = int(changed.sum())
+        if n_changed == 0:
             return []
-        moved = new_bits[changed].long() - old_bits[changed].long()
-        near = (moved >= -128) & (moved <= 127)
+        near = changed & (moved >= -128) & (moved <= 127)
         n_near = int(near.sum())
         # at least a byte of index each, and a byte of steps or a whole value
-        if 2 * n_near + (1 + dtype.itemsize) * (changed.numel() - n_near) >= cur.numel() * dtype.itemsize:
+        if 2 * n_near + (1 + dtype.itemsize) * (n_changed - n_near) >= cur.numel() * dtype.itemsize:
             old.copy_(cur)
             return [Patch(export, first, old)]
         out = []
-        if near.any():
-            out.append(Patch(export, first, moved[near].to(torch.int8), changed[near] + first, steps=True))
-        if not near.all():
-            far = changed[~near]
-            out.append(Patch(export, first, cur[far], far + first))
-        old[changed] = cur[changed]
+        if n_near:
+            out.append(Patch(export, first, moved[near].to(torch.int8), near.nonzero().view(-1) + first, steps=True))
+        if n_near < n_changed:
+            far = changed & ~near
+            out.append(Patch(export, first, cur[far], far.nonzero().view(-1) + first))
+        old.copy_(cur)
         return out
