@@ -144,3 +144,12 @@ def test_steps_round_trip_through_a_bucket():
     packer.flush()
     (piece,) = [p for data, entries in shipped for p in wire.decode(data, entries)]
     assert piece.steps and torch.equal(piece.indices, idx) and torch.equal(piece.values, steps)
+
+
+def test_import_shardwise_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = "import sys, shardwise, shardwise.rl; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

@@ -91,6 +91,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.shadow = Shadow()
+        self.index = {e.name: i for i, e in enumerate(source.exports)}  # the shadow's keys
         self.writer = None
 
     @classmethod
@@ -168,7 +169,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
             if self.info.delta:
                 rows = local_rows(self.source.rt, e, gathered)
                 if rows is not None:
-                    self.shadow.store(self._index[e.name], rows[1], e.dtype)
+                    self.shadow.store(self.index[e.name], rows[1], e.dtype)
 
     def _delta_unit(self, unit: int | None, exps: list[Export], sender) -> None:
         rt = self.source.rt
@@ -179,7 +180,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         for e in exps:
             rows = local_rows(rt, e, gathered)
             if rows is not None:
-                mine += self.shadow.patch(self._index[e.name], rows[0], rows[1], e.dtype)
+                mine += self.shadow.patch(self.index[e.name], rows[0], rows[1], e.dtype)
         group = rt.units[unit].group if unit is not None else rt.mesh.shard
         patches = _gather_to_rank0(mine, group)
         if sender:
@@ -189,12 +190,6 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
                     sender.guard(sender.packer.dense, e.name, e.dtype, e.shape, [(p.first, p.values)])
                 else:
                     sender.guard(sender.packer.sparse, e.name, e.dtype, e.shape, p.indices, p.values, p.steps)
-
-    @property
-    def _index(self) -> dict[str, int]:
-        if not hasattr(self, "_index_cache"):
-            self._index_cache = {e.name: i for i, e in enumerate(self.source.exports)}
-        return self._index_cache
 
     def shutdown(self) -> None:
         if self.writer is not None:
