@@ -8,7 +8,8 @@ The small GPT, fp32, AdamW; on the GPU 8 x 1024 tokens, on CPU 4 x 64 tokens per
    activations as moves (two memories), on CPU without (one memory).
 2. A sweep of five budgets from the smallest feasible to DDP's: the chosen configuration is
    applied by ``shard(plan=...)`` and its peak over a steady-state step measured (the
-   device allocator's ``max_memory_allocated`` on CUDA, torch's MemTracker on CPU) against
+   device allocator's ``max_memory_allocated`` on CUDA, with ``max_memory_reserved`` beside it:
+   what the caching allocator adds; torch's MemTracker on CPU) against
    the budget and the prediction; its median step time against the fastest configuration
    that fits the budget among every configuration measured (the path, and a uniform grid:
    every unit resharded or none, recomputed or none, and on the GPU offloaded or not,
@@ -37,9 +38,9 @@ import torch.distributed as dist
 import shardwise
 from shardwise import groups
 from shardwise.models import GPT, Block, gpt_config
-from shardwise.policies import Settings, UnitConfig
 from shardwise.planner import budget as search
 from shardwise.planner import plan as P
+from shardwise.policies import Settings, UnitConfig
 
 STEPS = 6  # timed steps after two warm-up steps
 
@@ -85,10 +86,14 @@ def measure(settings: Settings, cuda: bool, cfg, batch: int) -> dict:
                 if cuda
                 else tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
             )
+            # what the caching allocator adds: its segments' peak over the tensors' (rounding to
+            # 512 B blocks and 2 MiB segments, fragmentation); the CUDA context and NCCL's and
+            # cuBLAS's workspaces are in neither
+            reserved = torch.cuda.max_memory_reserved() if cuda else None
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
-    return {"peak": peak, "ms": 1e3 * statistics.median(times[2:]), "losses": losses}
+    return {"peak": peak, "reserved": reserved, "ms": 1e3 * statistics.median(times[2:]), "losses": losses}
 
 
 def uniform(
@@ -174,15 +179,21 @@ def run(out: Path, cuda: bool) -> None:
                 "what": search.describe(step.settings),
                 "predicted": step.estimate.peak,
                 "measured": m["peak"],
+                "reserved": m["reserved"],
                 "ms": m["ms"],
                 "fastest_fitting": best,
                 "fastest_ms": best_ms,
             }
         )
+        allocator = (
+            f", reserved {m['reserved'] / 2**20:.1f} MiB (the allocator adds {(m['reserved'] - m['peak']) / 2**20:.1f})"
+            if m["reserved"] is not None
+            else ""
+        )
         print(
             f"budget {b / 2**20:9.1f} MiB: {label} ({search.describe(step.settings)}) predicted "
             f"{step.estimate.peak / 2**20:.1f}, measured {m['peak'] / 2**20:.1f} MiB "
-            f"({(step.estimate.peak - m['peak']) / m['peak']:+.2%}), fits: {m['peak'] <= b}; "
+            f"({(step.estimate.peak - m['peak']) / m['peak']:+.2%}){allocator}, fits: {m['peak'] <= b}; "
             f"{m['ms']:.1f} ms vs fastest fitting {best} {best_ms:.1f} ms ({m['ms'] / best_ms - 1:+.1%})",
             flush=True,
         )

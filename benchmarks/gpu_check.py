@@ -163,7 +163,7 @@ def speed(args, device: torch.device, batches) -> dict:
     times = {n: [] for n in names}
     first = {}
     for n in names:  # warm-up: allocator, kernels, optimizer state, compilation
-        for i, (x, y) in enumerate(batches[: args.warmup]):
+        for _i, (x, y) in enumerate(batches[: args.warmup]):
             loss, _ = step(runs[n], x, y, device)
             first.setdefault(n, loss)
     for r in range(args.rounds):

@@ -13,6 +13,7 @@ must set ``OMP_NUM_THREADS`` before torch is first imported.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import signal
@@ -283,10 +284,8 @@ class WorkerPool:
         self._closed = True
         _live_pools.discard(self)
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(pickle.dumps(("stop", 0, None)))
-            except OSError:
-                pass
         deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -358,10 +357,8 @@ class WorkerPool:
         data = pickle.dumps((kind, self._seq, arg), protocol=pickle.HIGHEST_PROTOCOL)
         start = time.monotonic()
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):  # a dead worker: _collect reports its exit code
                 conn.send_bytes(data)
-            except OSError:  # the worker is dead; _collect reports its exit code
-                pass
         try:
             return self._collect(self._seq, start, timeout, grace=grace)
         except BaseException:  # e.g. KeyboardInterrupt: the task state is unknown
@@ -393,10 +390,10 @@ class WorkerPool:
                     outcomes[r] = self._receive(r, seq, start)
                 elif proc.sentinel in ready or not proc.is_alive():
                     outcomes[r] = self._died(r, start)
-            if grace is not None and any(o is not None and not o.ok for o in outcomes):
-                if time.monotonic() + grace < deadline:
-                    deadline = time.monotonic() + grace
-                    waited_for = f"no answer within {grace:g} s after another rank failed"
+            failed = grace is not None and any(o is not None and not o.ok for o in outcomes)
+            if failed and time.monotonic() + grace < deadline:
+                deadline = time.monotonic() + grace
+                waited_for = f"no answer within {grace:g} s after another rank failed"
         elapsed = time.monotonic() - start
         if waited_for == "timeout":
             waited_for = f"no answer within {timeout:g} s"

@@ -18,11 +18,12 @@ from test_plan import BATCH, GPT_CFG, MODELS, real_batch, tokens
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardwise
-from shardwise.policies import MixedPrecision, Settings, UnitConfig
+from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
 from shardwise.planner import plan as P
-from shardwise.observer.accounting import kept_buckets
 from shardwise.planner.costs import Rates
+from shardwise.planner.estimate import estimate_of
+from shardwise.policies import MixedPrecision, Settings, UnitConfig
 
 WORLD = 2
 SWEEP = 5  # budgets from the smallest feasible peak to DDP's
@@ -37,6 +38,7 @@ def planned(name: str) -> P.Plan:
         batch_size=BATCH,
         inputs=inputs,
         loss=loss_fn,
+        holds_output=False,  # (step() below drops the output with its loss function's frame)
         backend="gloo",
         budget="1GiB",
     )
@@ -113,11 +115,11 @@ def planned_settings(name: str, settings) -> tuple[P.Estimate, int]:
     job = P._Job(
         build=P._meta_factory(build), micro_batch=inputs or tokens, loss=loss_fn,
         optimizer=torch.optim.AdamW, precision=MixedPrecision(), precision_name="fp32",
-        checkpointing=None, max_unsharded=2, shard_size=None,
+        checkpointing=None, max_unsharded=2, shard_size=None, holds_output=False,
     )
     with groups.fake_world(1, "nccl"), collectives.apart():
         data, _, shard_bytes, host = P._run(job, settings, False)
-    e = P._estimate(
+    e = estimate_of(
         data, shard_bytes, settings, host, checkpointing=False, precision_name="fp32",
         one_memory=False,
     )
@@ -198,7 +200,8 @@ def test_activation_offload_chosen_on_two_memories(pools, monkeypatch, name):
     build, block, inputs, loss_fn = MODELS[name]
     kw = dict(
         world_size=1, strategy="full_shard", wrap=shardwise.wrap.by_class(block),
-        batch_size=BATCH, inputs=inputs, loss=loss_fn, backend="nccl", cpu_offload=True,
+        batch_size=BATCH, inputs=inputs, loss=loss_fn, holds_output=False, backend="nccl",
+        cpu_offload=True,
     )
     none = P.plan(build, **kw).estimates[0].peak
     every = P.plan(build, activation_checkpointing=kw["wrap"], **kw).estimates[0].peak
@@ -235,7 +238,7 @@ def test_activation_offload_never_raises_the_device_peak(pools, name):
     there, and costs nothing either: its copies back are freed one by one as its backward uses
     them, as the originals are (they were held to the end of the call's backward, 0.565 MiB
     over the peak without offload on the GPT). Measured on a real step, predicted within 3%."""
-    build, block, _, _ = MODELS[name]
+    _build, block, _, _ = MODELS[name]
     names = ["blocks.0", "blocks.1", "blocks.2", ""]
 
     def settings(offloaded):
@@ -259,7 +262,7 @@ def test_partial_state_offload_counts_the_optimizer_step_on_the_device(pools, of
     memory (the estimate used to count none of it during the step, 8.5% under with the last
     layer offloaded, where the step is the peak). A real step's device peak, and its peak
     during the optimizer step, are within 3%."""
-    build, block, _, _ = MODELS["mlp"]
+    _build, block, _, _ = MODELS["mlp"]
     names = ["layers.0", "layers.1", "layers.2", "layers.3", ""]
     settings = Settings(
         "full_shard",

@@ -99,7 +99,7 @@ def test_auto_policy_on_other_models():
 
 def test_core_imports_no_optional_library():
     # (tqdm is left out: torch imports it itself when it is installed)
-    optional = ("transformers", "peft", "matplotlib")
+    optional = ("transformers", "peft", "matplotlib", "lightning", "accelerate")
     code = f"import sys, shardwise; print([m for m in sys.modules if m.split('.')[0] in {optional}])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

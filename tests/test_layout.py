@@ -1,5 +1,7 @@
 """Layout bookkeeping, without any process group."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ def test_shards_partition_every_parameter(world):
     for slot in lay.slots:
         rows = [slot.row_range(r) for r in range(world)]
         assert rows[0][0] == 0 and rows[-1][1] == slot.rows
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # contiguous, disjoint
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))  # contiguous, disjoint
         assert slot.rows_per_rank == -(-slot.rows // world)
     # per-rank shard is 1/N of the model plus padding, never more
     padding = sum(s.rows_per_rank * world * s.row_numel - s.numel for s in lay.slots)
@@ -39,6 +41,21 @@ def test_pack_gather_unpack_round_trip(world):
         lay.unpack(rows, flat_full)
         for v, t in zip(lay.unsharded_views(flat_full), full):
             assert v.shape == t.shape and torch.equal(v, t)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_pack_into_one_rank_major_tensor_equals_rank_by_rank(world):
+    """NCCL's rows are one rank-major tensor, packed slot by slot: the same bytes as packing
+    rank by rank (casts, zero padding and ranks holding none of a parameter included)."""
+    shapes = [*SHAPES, ("tall", (9, 2)), ("wide", (3, 16))]
+    lay = Layout.build(shapes, world)
+    full = [torch.randn(shape) for _, shape in shapes]
+    for dtype in (torch.float32, torch.bfloat16):
+        by_rank = torch.full((world, lay.sizes[0]), float("nan"), dtype=dtype)
+        lay.pack(full, list(by_rank))
+        whole = torch.full((world, lay.sizes[0]), float("nan"), dtype=dtype)
+        lay.pack(full, list(whole), whole)
+        assert torch.equal(whole, by_rank), (world, dtype)
 
 
 def test_subset_keeps_shapes_and_recomputes_offsets():

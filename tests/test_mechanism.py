@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from nets import batch, local_slice, loss_of, make, wrap_policy
+from nets import batch, local_slice, loss_of, make, train_pair, wrap_policy
 
 import shardwise
 from shardwise.unit import ReplicatedUnit, ShardedUnit
@@ -378,3 +378,20 @@ def collected(strategy, tracked):
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_sharded_model_is_garbage_collected(pools, strategy, tracked):
     assert all(pools(2).run(collected, strategy, tracked))
+
+
+# --- a group made with one backend per device ("cpu:gloo", or init_process_group() without a
+# backend: "undefined") carries its tensors on Gloo here: shardwise takes Gloo's paths for it
+def composite_backend_pair():
+    from shardwise import groups
+
+    group = dist.new_group(backend="cpu:gloo")
+    assert groups.backend(group) == "gloo", groups.backend(group)
+    return train_pair("tied", "full_shard", "by_class", steps=3, group=group)
+
+
+def test_group_with_a_backend_per_device_trains_like_one_process(pool):
+    losses, ref_losses, diff, moved = pool.run(composite_backend_pair)[0]
+    assert moved > 1e-3  # real training
+    assert diff < 1e-5
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5

@@ -4,6 +4,7 @@ job that loses a node restarts on the other one and resumes from its last checkp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -122,10 +123,8 @@ def kill_node(p: subprocess.Popen) -> None:
     """SIGKILL an agent and every rank it started (they run in sessions of their own)."""
     ranks = children(p.pid)
     for pid in [p.pid, *ranks]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     p.wait()
 
 

@@ -34,7 +34,7 @@ def test_offload_parity_is_exact(pools, strategy):
     pool = pools(2)
     plain = pool.run(train, strategy, False)
     offloaded = pool.run(train, strategy, True)
-    for (l0, sd0, _, _), (l1, sd1, flag, devices) in zip(plain, offloaded):
+    for (l0, _sd0, _, _), (l1, _sd1, flag, devices) in zip(plain, offloaded):
         assert l0 == l1  # bitwise: the offload path only moves and copies
         assert flag and devices == {"cpu"}
     assert offloaded[0][1].keys() == plain[0][1].keys()

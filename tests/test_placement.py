@@ -23,8 +23,8 @@ from nets import (
 )
 
 import shardwise
-from shardwise.placement import choose_owners
 from shardwise.bench.optimizers import fp32_newton_schulz, orthogonalized
+from shardwise.placement import choose_owners
 
 
 # --- models with matrices the nets do not have: a weight tied inside a unit, stacked experts
@@ -211,7 +211,7 @@ def check(result, *, tol: float = 1e-5, rel: float = 1e-5):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_muon_on_owned_matrices_trains_like_one_process(pools, world_size):
-    moved, whole = check(pools(world_size).run(train_whole, "tied")[0])
+    _moved, whole = check(pools(world_size).run(train_whole, "tied")[0])
     # every matrix of the blocks is owned; the root's (embedding = head, positions) stay rows
     assert all(n.startswith("blocks.") and n.endswith(".weight") and "ln" not in n for n in whole)
     assert len(whole) == 3 * 4

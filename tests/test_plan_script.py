@@ -118,3 +118,80 @@ def test_plan_in_a_torchrun_script_before_and_after_init(tmp_path):
     assert digests["before"] == digests["after"]  # planned alone or for the run: the same plan
     assert len(re.findall(r"rank \d: trained with no_shard", run.stdout)) == 2
     print(run.stdout)
+
+
+# A script that plans after shardwise.init() and ends without destroy_process_group(), as the
+# issue's did. Each rank is a child forked from one warm launcher (ten torchrun jobs would pay
+# for importing torch twenty times) and leaves through the interpreter's normal exit, as a
+# script does. Gloo's worker thread releases plan()'s broadcast a moment after the ranks move
+# on (Note [exit] in groups.py); a long GIL switch interval keeps the main thread from handing
+# the GIL over before the script ends, which widens that window: without the fix about one
+# run in three aborted this way (SIGABRT, exit code -6).
+EXITING = '''
+import os
+import socket
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardwise
+
+
+def inputs():
+    return torch.zeros(4, 16), torch.zeros(4, dtype=torch.long)
+
+
+def loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def net():
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+KW = dict(world_size=2, strategy="full_shard", inputs=inputs, loss=loss)
+shardwise.plan(net, **KW)  # (the planner's own imports, once, before forking)
+codes = []
+for run in range(int(sys.argv[1])):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    children = []
+    for rank in range(2):
+        if os.fork() == 0:  # a rank: plan, then end as the script ends
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+            )
+            sys.setswitchinterval(30)
+            shardwise.init()
+            shardwise.plan(net, **KW)
+            break
+        children.append(None)
+    else:
+        for _ in children:
+            _, status = os.wait()
+            codes.append(os.waitstatus_to_exitcode(status))
+        continue
+    break
+else:
+    print("exit codes", codes, flush=True)
+'''
+
+
+def test_a_script_that_plans_exits_cleanly_without_destroying_its_group(tmp_path):
+    script = tmp_path / "plan_and_exit.py"
+    script.write_text(textwrap.dedent(EXITING))
+    src = str(Path(shardwise.__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, str(script), "10"], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    codes = re.search(r"exit codes \[([-\d, ]*)\]", run.stdout)
+    assert codes, run.stdout + run.stderr[-3000:]
+    codes = [int(c) for c in codes.group(1).split(",")]
+    assert codes == [0] * 20, (codes, run.stderr[-3000:])  # 10 runs of 2 ranks, every exit 0
+    assert "terminate called" not in run.stderr

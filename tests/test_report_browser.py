@@ -8,6 +8,7 @@ messages separated by NUL bytes on file descriptors 3 and 4), so no driver packa
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -150,10 +151,8 @@ class Browser:
         )
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(TimeoutError, RuntimeError, OSError):  # gone: the kill below is enough
             self.call("Browser.close", timeout=5)
-        except (TimeoutError, RuntimeError, OSError):  # already gone: the kill below is enough
-            pass
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:

@@ -110,7 +110,7 @@ def _check_rules(log, held, offload):
     synced = set()
     recorded = {}  # event id -> (stream, unit of the collective before it)
     last_collective = {}  # stream -> unit label
-    fresh = {s: False for s in side}  # a side stream waited for compute since its last work
+    fresh = dict.fromkeys(side, False)  # a side stream waited for compute since its last work
     counts = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
     for i, entry in enumerate(log):
         kind = entry[0]

@@ -7,8 +7,8 @@ import pytest
 from nets import TiedTransformer, counted_steps, train_pair
 
 import shardwise
-from shardwise.policies import Settings, UnitConfig
 from shardwise.observer.accounting import theory_bytes_per_step
+from shardwise.policies import Settings, UnitConfig
 
 BLOCK = shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__)
 MIXED = Settings(

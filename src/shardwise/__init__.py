@@ -7,7 +7,9 @@
     opt = torch.optim.AdamW(model.parameters())        # sees only this rank's shards
 """
 
-from . import placement, wrap
+from typing import TYPE_CHECKING
+
+from . import moved, placement, wrap
 from .api import (
     clip_grad_norm_,
     full_state_dict,
@@ -31,15 +33,26 @@ from .checkpoint import (
     save,
     save_pretrained,
 )
-from .recompute import checkpoint_activations
 from .collectives import CollectiveStats, comm_stats, reset_comm_stats
 from .errors import CollectiveError, ShardwiseError
 from .groups import init
+from .options import ShardOptions
 from .policies import Comm, MixedPrecision, Settings, UnitConfig
+from .recompute import checkpoint_activations
 from .scaler import GradScaler
-from .observer.accounting import dtype_table, held_bytes
-from .planner.plan import plan
-from .observer.trace import trace
+
+if TYPE_CHECKING:  # what type checkers and editors see of the names loaded lazily below
+    from .observer.accounting import dtype_table, held_bytes
+    from .observer.trace import trace
+    from .planner.plan import plan
+
+# the planner and the observer load when first used, not with the library
+_LAZY = {
+    "plan": "shardwise.planner.plan",
+    "trace": "shardwise.observer.trace",
+    "dtype_table": "shardwise.observer.accounting",
+    "held_bytes": "shardwise.observer.accounting",
+}
 
 __all__ = [
     "init",
@@ -59,6 +72,7 @@ __all__ = [
     "Comm",
     "UnitConfig",
     "Settings",
+    "ShardOptions",
     "GradScaler",
     "save",
     "load",
@@ -81,3 +95,19 @@ __all__ = [
     "CollectiveError",
 ]
 __version__ = "0.1.0"
+
+moved.install()
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # once: later lookups find it here
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from . import events
 from .errors import ShardwiseError
+from .recompute import recomputes
 
 
 def is_activation(t: torch.Tensor) -> bool:
@@ -116,7 +117,7 @@ class Offload:
 
     def wrap(self, module: nn.Module, label: str) -> None:
         """Offload what ``module``'s forward saves for backward."""
-        if getattr(module, "_shardwise_checkpointed", False):
+        if recomputes(module):
             raise ShardwiseError(f"'{label}' recomputes its activations: it has none to offload")
         inner = module.forward
 

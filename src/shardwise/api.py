@@ -6,7 +6,6 @@ import contextlib
 import functools
 import math
 import os
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -14,38 +13,26 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import collectives as C
-from . import flight, groups, streams
+from . import flight, groups, optimizer_guard
 from . import placement as placements
-from .activation_offload import offload_activations
-from .build import (
-    UnitPlan,
-    assign_params,
-    broadcast_from_rank0,
-    check_plans,
-    fill_slot,
-    first_names,
-    layout_of,
-    materialize,
-    select_units,
-)
-from .recompute import checkpoint_activations
+from .build import broadcast_from_rank0, build
+from .checkpoint import load_full
 from .errors import ShardwiseError
-from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
-from .runtime import Phase, Runtime, require_idle, runtime_of
-from .unit import ReplicatedUnit, ShardedUnit, Unit, shard_param
+from .policies import Comm, MixedPrecision, Settings, Sharding
+from .runtime import require_idle, runtime_of
+from .unit import ShardedUnit, Unit
 from .wrap import Policy
 
-Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]
+Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]  # Sharding's names
 
 
 def shard(
     module: nn.Module,
     *,
     wrap: Policy | None = None,
-    strategy: Strategy | None = None,
+    strategy: Strategy | Sharding | None = None,
     group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     shard_size: int | None = None,
@@ -107,9 +94,23 @@ def shard(
     settings = _settings(plan, wrap=wrap, strategy=strategy, cpu_offload=cpu_offload)
     if settings is not None:
         wrap, strategy = settings.wrap, settings.strategy
-    sharding = Sharding.of(strategy or "full_shard")
+    sharding = Sharding.of(strategy or Sharding.FULL_SHARD)
     if max_unsharded < 1:
         raise ShardwiseError(f"max_unsharded={max_unsharded} must be at least 1")
+    _refuse_sharded(module)
+    rt = build(
+        module, wrap=wrap, sharding=sharding, settings=settings,
+        group=group, mesh=mesh, shard_size=shard_size, init=init,
+        precision=MixedPrecision.of(mixed_precision), cpu_offload=cpu_offload,
+        max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm),
+    )
+    optimizer_guard.watch(rt)
+    if init_from is not None:
+        load_full(module, init_from)
+    return module
+
+
+def _refuse_sharded(module: nn.Module) -> None:
     for name, m in module.named_modules():
         if getattr(m, "_shardwise", None) is not None:
             where = f"its submodule '{name}'" if name else "it"
@@ -117,118 +118,13 @@ def shard(
                 f"{type(module).__name__} is already sharded ({where} was passed to "
                 "shard() before); shard() runs once per model: build a new model to shard again."
             )
-    precision = MixedPrecision.of(mixed_precision)
-    wire = Comm.of(comm)
-    plans = select_units(module, wrap)
-    configs = [
-        settings.of(p.name) if settings else UnitConfig(sharding.reshard_after_forward, "none", cpu_offload)
-        for p in plans
-    ]
-    _check_configs(plans, configs, settings)
-    if any(c.offload for c in configs) and not sharding.shard:
-        raise ShardwiseError(
-            "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
-            "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
-        )
-    groups.rank_and_size(None)  # a process group exists
-    layout_mesh = groups.mesh_of(group, mesh, hybrid=sharding.hybrid, shard_size=shard_size)
-    group, whole = layout_mesh.shard, layout_mesh.whole
-    rank, world = groups.rank_and_size(group)
-    assign_params(module, plans)
-    param_device = check_plans(module, plans)
-    device = groups.device() if param_device is None or param_device.type == "cpu" else param_device
-
-    sharded = sharding.shard
-    owned = _owned(plans, placement)
-    # no_shard: every rank holds every parameter whole; owned ones are only marked
-    owners = placements.choose_owners(owned, world if sharded else 1)
-    layouts = [layout_of(p, world if sharded else 1, o) for p, o in zip(plans, owners)]
-    # where the master shards live: host memory for an offloaded unit
-    flats = [
-        torch.zeros(
-            lay.sizes[rank if sharded else 0],
-            dtype=p.params[0].dtype if p.params else torch.float32,
-            device=torch.device("cpu") if c.offload else device,
-            pin_memory=c.offload and device.type == "cuda",
-        )
-        for p, lay, c in zip(plans, layouts, configs)
-    ]
-    where = {}
-    for ui, up in enumerate(plans):
-        for si, p in enumerate(up.params):
-            where[p] = (ui, si)
-
-    def keep_rows(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
-        for p, v in zip(params, values):
-            ui, si = where[p]
-            fill_slot(flats[ui], layouts[ui].slots[si], rank if sharded else 0, v)
-
-    with torch.no_grad():
-        if any(p.is_meta for up in plans for p in up.params) or any(b.is_meta for b in module.buffers()):
-            materialize(module, device, init, keep_rows, whole)
-        for up in plans:
-            eager = [p for p in up.params if not p.is_meta]
-            if eager:
-                keep_rows(eager, broadcast_from_rank0(eager, device, whole, up.label))
-        for name, b in module.named_buffers():
-            if not b.is_meta:
-                b.data = broadcast_from_rank0([b], device, whole, name)[0].clone()
-            if precision.buffer_dtype is not None and b.is_floating_point():
-                b.data = b.data.to(precision.buffer_dtype)
-
-    side_streams = streams.for_device(device)
-    units: list[Unit] = []
-    for up, lay, flat, config in zip(plans, layouts, flats, configs):
-        rg = [p.requires_grad for p in up.params]
-        if sharded:
-            units.append(
-                ShardedUnit(
-                    up.module, up.name, up.registrations, group, lay, flat, rg,
-                    device=device, precision=precision, offload=config.offload, streams=side_streams,
-                    replicate=layout_mesh.replicate, comm=wire,
-                    reshard_after_forward=config.reshard_after_forward and not up.is_root,
-                )
-            )
-        else:
-            params = [
-                shard_param(v, r, slot, 1) for v, r, slot in zip(lay.unsharded_views(flat), rg, lay.slots)
-            ]
-            for r in up.registrations:
-                r.module._parameters[r.attr] = params[r.index]
-            units.append(
-                ReplicatedUnit(
-                    up.module, up.name, up.registrations, group, params, precision=precision, comm=wire
-                )
-            )
-        for r in up.registrations:
-            _retire(up.params[r.index], r.fqn)
-    module._shardwise = rt = Runtime(
-        module, units, strategy or "full_shard", sharding, layout_mesh, max_unsharded, precision,
-        groups.host_group(whole), wire,
-    )
-    for u in units:
-        for p in u.shard_params if isinstance(u, ShardedUnit) else u.params:
-            p._shardwise_runtime = weakref.ref(rt)  # Note [a step after a forward]
-    for kind in ("full", "selective"):
-        recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
-        if recomputed:
-            checkpoint_activations(module, lambda m, name, r=recomputed: name in r, selective=kind == "selective")
-    offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
-    if offloaded:
-        rt.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
-    _install_optimizer_guard()
-    if init_from is not None:
-        from .checkpoint import load_full  # checkpoint builds on this module
-
-        load_full(module, init_from)
-    return module
 
 
 def _settings(plan, *, wrap, strategy, cpu_offload) -> Settings | None:
     """The plan's settings, refusing arguments that would contradict them."""
     if plan is None:
         return None
-    settings = getattr(plan, "settings", plan)  # a tools.plan.Plan carries its choice's
+    settings = getattr(plan, "settings", plan)  # a planner.plan.Plan carries its choice's
     if not isinstance(settings, Settings):
         raise TypeError(
             f"shard(plan=...) takes shardwise.plan()'s result or a policies.Settings, got "
@@ -238,96 +134,11 @@ def _settings(plan, *, wrap, strategy, cpu_offload) -> Settings | None:
     clash = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != getattr(settings, k, None)]
     if clash:
         raise ShardwiseError(
-            f"shard(plan=...) applies the plan's wrap, strategy ({settings.strategy!r}) and "
+            f"shard(plan=...) applies the plan's wrap, strategy ('{settings.strategy}') and "
             f"per-unit settings, but {', '.join(clash)} was passed too: drop it, or plan again "
             "with it (shardwise.plan(..., wrap=..., strategy=...))"
         )
     return settings
-
-
-def _check_configs(plans: list[UnitPlan], configs: list[UnitConfig], settings: Settings | None) -> None:
-    """A plan names exactly the units the wrap policy makes; the root recomputes nothing."""
-    if settings is not None:
-        extra = {n for n, _ in settings.units} - {p.name for p in plans}
-        if extra:
-            raise ShardwiseError(
-                f"the plan has settings for {sorted(n or '<root>' for n in extra)}, which this "
-                "model's wrap policy does not make units: plan the model you shard"
-            )
-    for p, c in zip(plans, configs):
-        if p.is_root and c.checkpoint != "none":
-            raise ShardwiseError(
-                f"UnitConfig(checkpoint={c.checkpoint!r}) on the root unit would recompute the whole "
-                "model: checkpoint wrapped units instead"
-            )
-
-
-def _owned(plans: list[UnitPlan], placement: placements.Placement | None) -> list[list[tuple[int, bool]]]:
-    """(numel, owned) of each unit's parameters under ``placement``; the root unit's are rows."""
-    return [
-        [
-            (p.numel(), placement is not None and not plan.is_root and placements.ask(placement, r.fqn, p))
-            for p, r in first_names(plan)
-        ]
-        for plan in plans
-    ]
-
-
-# --- the originals that shard() replaced, and the optimizers that still hold them
-def _retire(p: nn.Parameter, fqn: str) -> None:
-    if not hasattr(p, "_shardwise_retired"):
-        p._shardwise_retired = fqn
-        if not p.is_meta:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-_checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_guard_installed = False
-
-
-def _install_optimizer_guard() -> None:
-    global _guard_installed
-    if not _guard_installed:
-        register_optimizer_step_pre_hook(_check_optimizer)
-        _guard_installed = True
-
-
-# Note [a step after a forward]: a forward with gradients on leaves units gathered for the
-# backward it expects (the root always; every unit under shard_grad_op). A loop that skips
-# that backward (a loss that is NaN, a micro-batch it drops) and still steps the optimizer
-# changes the shards under them, and the next forward, finding them gathered, would compute on
-# the parameters from before the step, silently. So the optimizer's step first settles the
-# runtimes of the parameters it steps when they are between a forward and a backward: their
-# units reshard and gather again, from the new shards, when next called.
-def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    key = tuple(len(g["params"]) for g in optimizer.param_groups)
-    checked = _checked_optimizers.get(optimizer)
-    if checked is None or checked[0] != key:
-        checked = _checked_optimizers[optimizer] = (key, _check_params(optimizer))
-    for ref in checked[1]:
-        rt = ref()
-        if rt is not None and rt.phase is Phase.FORWARD:
-            rt.settle()
-
-
-def _check_params(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
-    """Refuse what the optimizer must not step; return the runtimes of its parameters."""
-    runtimes = {}
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            name = getattr(p, "_shardwise_retired", None)
-            if name is not None:
-                raise ShardwiseError(
-                    f"{type(optimizer).__name__} steps parameter '{name}' as it was before "
-                    "shardwise.shard(), which replaced it with this rank's shard: the optimizer "
-                    "would update nothing. Build the optimizer after shard(), from "
-                    "model.parameters()."
-                )
-            ref = getattr(p, "_shardwise_runtime", None)
-            if ref is not None:
-                runtimes[id(ref())] = ref
-    placements.check_whole_matrices(optimizer)
-    return list(runtimes.values())
 
 
 # --- gradient accumulation and clipping

@@ -1,6 +1,9 @@
-"""How ``shard()`` turns a module tree into units: pick them with the wrap policy, give each
-parameter to the innermost unit that holds every module using it, and fill each rank's shards
-from rank 0's values (eager modules) or by initialising one module at a time (meta modules).
+"""How ``shard()`` turns a module tree into units and their runtime (``build``): pick units with
+the wrap policy, give each parameter to the innermost unit that holds every module using it,
+lay each unit out over the ranks (placement chooses owners), fill each rank's shards from rank
+0's values (eager modules) or by initialising one module at a time (meta modules), then make
+the units, the runtime that drives them, and the recomputation and activation offload a plan
+asks for.
 """
 
 from __future__ import annotations
@@ -10,12 +13,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as C
+from . import groups, optimizer_guard, streams
+from . import placement as placements
+from .activation_offload import offload_activations
+from .conversions import guard_conversions
 from .errors import ShardwiseError
+from .groups import Mesh
 from .layout import Layout, Slot
-from .unit import Registration
+from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
+from .recompute import checkpoint_activations
+from .runtime import Runtime
+from .streams import Streams
+from .unit import Registration, ReplicatedUnit, ShardedUnit, Unit, shard_param
 from .wrap import CONTAINERS, Policy
 
 
@@ -210,3 +224,172 @@ def materialize(
             "reset_parameters(). Give those modules a reset_parameters() method, or pass "
             "shard(..., init=fn) where fn(module) initialises a module's own parameters."
         )
+
+
+# --- from UnitPlans to units and their runtime
+def build(
+    module: nn.Module,
+    *,
+    wrap: Policy | None,
+    sharding: Sharding,
+    settings: Settings | None,
+    group: dist.ProcessGroup | None,
+    mesh: DeviceMesh | None,
+    shard_size: int | None,
+    init: Callable[[nn.Module], None] | None,
+    precision: MixedPrecision,
+    cpu_offload: bool,
+    max_unsharded: int,
+    placement: placements.Placement | None,
+    comm: Comm,
+) -> Runtime:
+    """Shard ``module`` in place as ``shard()`` describes, and attach its ``Runtime``."""
+    plans = select_units(module, wrap)
+    configs = _unit_configs(plans, settings, sharding, cpu_offload)
+    groups.rank_and_size(None)  # a process group exists
+    layout_mesh = groups.mesh_of(group, mesh, hybrid=sharding.hybrid, shard_size=shard_size)
+    # no_shard: every rank holds every parameter whole (a layout of one rank); owned ones are
+    # only marked
+    rank, world = groups.rank_and_size(layout_mesh.shard) if sharding.shard else (0, 1)
+    assign_params(module, plans)
+    param_device = check_plans(module, plans)
+    device = groups.device() if param_device is None or param_device.type == "cpu" else param_device
+    owners = placements.choose_owners(_owned(plans, placement), world)
+    layouts = [layout_of(p, world, o) for p, o in zip(plans, owners)]
+    flats = _fill_shards(module, plans, layouts, configs, rank, device, init, precision, layout_mesh.whole)
+    side_streams = streams.for_device(device)
+    units = [
+        _unit(up, lay, flat, config, layout_mesh, sharding, device, precision, comm, side_streams)
+        for up, lay, flat, config in zip(plans, layouts, flats, configs)
+    ]
+    module._shardwise = rt = Runtime(
+        module, units, sharding, layout_mesh, max_unsharded, precision,
+        groups.host_group(layout_mesh.whole), comm,
+    )
+    guard_conversions(module, rt)  # Note [conversions after shard()]
+    for kind in ("full", "selective"):
+        recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
+        if recomputed:
+            checkpoint_activations(module, lambda m, name, r=recomputed: name in r, selective=kind == "selective")
+    offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
+    if offloaded:
+        rt.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
+    return rt
+
+
+def _unit_configs(
+    plans: list[UnitPlan], settings: Settings | None, sharding: Sharding, cpu_offload: bool
+) -> list[UnitConfig]:
+    """Each unit's settings: the plan's, or the strategy's for every unit. A plan names
+    exactly the units the wrap policy makes; the root recomputes nothing."""
+    if settings is None:
+        configs = [UnitConfig(sharding.reshard_after_forward, "none", cpu_offload) for _ in plans]
+    else:
+        configs = [settings.of(p.name) for p in plans]
+        extra = {n for n, _ in settings.units} - {p.name for p in plans}
+        if extra:
+            raise ShardwiseError(
+                f"the plan has settings for {sorted(n or '<root>' for n in extra)}, which this "
+                "model's wrap policy does not make units: plan the model you shard"
+            )
+    for p, c in zip(plans, configs):
+        if p.is_root and c.checkpoint != "none":
+            raise ShardwiseError(
+                f"UnitConfig(checkpoint={c.checkpoint!r}) on the root unit would recompute the whole "
+                "model: checkpoint wrapped units instead"
+            )
+    if any(c.offload for c in configs) and not sharding.shard:
+        raise ShardwiseError(
+            "cpu_offload=True needs a sharded strategy: with no_shard every rank keeps whole "
+            "parameters on the device anyway. Use strategy='full_shard' or 'shard_grad_op'."
+        )
+    return configs
+
+
+def _owned(plans: list[UnitPlan], placement: placements.Placement | None) -> list[list[tuple[int, bool]]]:
+    """(numel, owned) of each unit's parameters under ``placement``; the root unit's are rows."""
+    return [
+        [
+            (p.numel(), placement is not None and not plan.is_root and placements.ask(placement, r.fqn, p))
+            for p, r in first_names(plan)
+        ]
+        for plan in plans
+    ]
+
+
+def _fill_shards(
+    module: nn.Module,
+    plans: list[UnitPlan],
+    layouts: list[Layout],
+    configs: list[UnitConfig],
+    rank: int,
+    device: torch.device,
+    init: Callable[[nn.Module], None] | None,
+    precision: MixedPrecision,
+    whole,
+) -> list[torch.Tensor]:
+    """Each unit's flat shard (where the master shards live: host memory for an offloaded
+    unit), filled with this rank's rows of rank 0's values; buffers broadcast and cast."""
+    flats = [
+        torch.zeros(
+            lay.sizes[rank],
+            dtype=p.params[0].dtype if p.params else torch.float32,
+            device=torch.device("cpu") if c.offload else device,
+            pin_memory=c.offload and device.type == "cuda",
+        )
+        for p, lay, c in zip(plans, layouts, configs)
+    ]
+    where = {}
+    for ui, up in enumerate(plans):
+        for si, p in enumerate(up.params):
+            where[p] = (ui, si)
+
+    def keep_rows(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+        for p, v in zip(params, values):
+            ui, si = where[p]
+            fill_slot(flats[ui], layouts[ui].slots[si], rank, v)
+
+    with torch.no_grad():
+        if any(p.is_meta for up in plans for p in up.params) or any(b.is_meta for b in module.buffers()):
+            materialize(module, device, init, keep_rows, whole)
+        for up in plans:
+            eager = [p for p in up.params if not p.is_meta]
+            if eager:
+                keep_rows(eager, broadcast_from_rank0(eager, device, whole, up.label))
+        for name, b in module.named_buffers():
+            if not b.is_meta:
+                b.data = broadcast_from_rank0([b], device, whole, name)[0].clone()
+            if precision.buffer_dtype is not None and b.is_floating_point():
+                b.data = b.data.to(precision.buffer_dtype)
+    return flats
+
+
+def _unit(
+    up: UnitPlan,
+    lay: Layout,
+    flat: torch.Tensor,
+    config: UnitConfig,
+    mesh: Mesh,
+    sharding: Sharding,
+    device: torch.device,
+    precision: MixedPrecision,
+    comm: Comm,
+    side_streams: Streams | None,
+) -> Unit:
+    """One unit over its filled flat shard; the parameters it replaces are retired."""
+    rg = [p.requires_grad for p in up.params]
+    if sharding.shard:
+        unit = ShardedUnit(
+            up.module, up.name, up.registrations, mesh.shard, lay, flat, rg,
+            device=device, precision=precision, offload=config.offload, streams=side_streams,
+            replicate=mesh.replicate, comm=comm,
+            reshard_after_forward=config.reshard_after_forward and not up.is_root,
+        )
+    else:
+        params = [shard_param(v, r, slot, 1) for v, r, slot in zip(lay.unsharded_views(flat), rg, lay.slots)]
+        for r in up.registrations:
+            r.module._parameters[r.attr] = params[r.index]
+        unit = ReplicatedUnit(up.module, up.name, up.registrations, mesh.shard, params, precision=precision, comm=comm)
+    for r in up.registrations:
+        optimizer_guard.retire(up.params[r.index], r.fqn)
+    return unit

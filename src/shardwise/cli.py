@@ -6,7 +6,7 @@ import sys
 
 COMMANDS = {
     "train": ("shardwise.train", "train the built-in GPT with shardwise and report memory and bytes sent"),
-    "plan": ("shardwise.planner.plan", "predict per-rank memory and bytes sent before launch (no GPU needed)"),
+    "plan": ("shardwise.planner.cli", "predict per-rank memory and bytes sent before launch, any model (no GPU needed)"),
     "report": ("shardwise.observer.report", "an HTML page of one traced step: timeline, memory, mechanism, figures"),
     "bench": ("shardwise.bench.harness", "benchmark shardwise against FSDP2, DDP and the compute floor"),
     "convert": ("shardwise.checkpoint.cli", "write a checkpoint as a standard safetensors model (offline)"),

@@ -202,7 +202,7 @@ def apart():
 def _on_gloo(group) -> bool:
     if dist.get_world_size(group) == 1:
         return False
-    backend = dist.get_backend(group)
+    backend = groups.backend(group)
     if backend == "fake" and groups.stands_for() is not None:
         backend = groups.stands_for()
     return backend == dist.Backend.GLOO
@@ -377,7 +377,8 @@ def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     widest = max(sizes)  # NCCL: equal rows, padded to the largest (the padding's sums are unused)
     full = torch.empty(world, widest, dtype=dtype, device=device)
     out = torch.empty(widest, dtype=dtype, device=device)
-    return ScatterRows([row[:n] for row, n in zip(full.unbind(0), sizes)], out, full)
+    rows = full.unbind(0) if min(sizes) == widest else [row[:n] for row, n in zip(full.unbind(0), sizes)]
+    return ScatterRows(list(rows), out, full)
 
 
 def reduce_scatter(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -29,7 +30,8 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
     ``cuda:LOCAL_RANK``, and sets the collective timeout (seconds) after which a collective
     that cannot complete (a rank died or took another path) raises on every rank instead of
     hanging, naming where each rank was (flight.py). Without torchrun's variables it starts a
-    world of size 1. A no-op when a default group already exists.
+    world of size 1. A no-op when a default group already exists. The group it starts is
+    destroyed when the script ends normally, if the script has not done so (Note [exit]).
     """
     global _timeout_s
     if dist.is_initialized():
@@ -46,6 +48,23 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
+    atexit.register(_leave, dist.group.WORLD.group_name)
+
+
+# Note [exit]: a Gloo collective's work, with the tensors it holds, is often released by the
+# backend's worker thread a little after the waiter woke up, and releasing a tensor Python has
+# seen takes the GIL. A script that ends right after a collective (plan()'s broadcast, a logged
+# all-reduce) without destroy_process_group() can reach interpreter shutdown first: the worker
+# thread is then ended while it waits for the GIL, inside a C++ destructor, and the process
+# aborts ("terminate called without an active exception", SIGABRT; seen 2 exits in 12 at N=2).
+# Destroying the group joins its worker threads while the interpreter still runs, as torch asks
+# of every script; init() does it at exit for the group it started, unless the script already
+# did, or is ending on an uncaught exception (a peer may be gone, and joining a worker blocked
+# on it would hold the exit up to the collective timeout).
+def _leave(name: str) -> None:
+    failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if failed is None and dist.is_initialized() and dist.group.WORLD.group_name == name:
+        dist.destroy_process_group()
 
 
 _timeout_s: float | None = None  # set by init()
@@ -265,9 +284,23 @@ def _world_swapped() -> Iterator[None]:
         sys.excepthook = hook
 
 
+def backend(group: dist.ProcessGroup | None = None) -> str:
+    """The backend that carries ``group``'s tensors: its name ("gloo", "nccl", "fake"), or for
+    a group made with one backend per device ("cpu:gloo,cuda:nccl", which
+    ``init_process_group()`` without a backend makes and names "undefined"), the one for the
+    device shardwise computes on: CUDA's where there is a GPU, else the CPU's."""
+    name = str(dist.get_backend(group))
+    if ":" not in name and name != "undefined":
+        return name
+    per_device = dict(part.split(":") for part in dist.get_backend_config(group).split(","))
+    if torch.cuda.is_available() and "cuda" in per_device:
+        return per_device["cuda"]
+    return per_device.get("cpu", name)
+
+
 def device() -> torch.device:
     """The device this rank computes on: its local GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -191,11 +191,32 @@ class Layout:
             out.append((r * k, rows[r].view(-1)[s.offsets[r] : s.offsets[r] + n]))
         return out
 
-    def pack(self, full: list[torch.Tensor], rows: Sequence[torch.Tensor]) -> None:
+    def pack(
+        self, full: list[torch.Tensor], rows: Sequence[torch.Tensor], whole: torch.Tensor | None = None
+    ) -> None:
         """Lay full tensors (one per slot) out as every rank's flat shard: ``rows[r]`` gets
-        rank r's (the input of a reduce-scatter), cast to its dtype."""
-        for r, row in enumerate(rows):
-            self.pack_row(full, r, row)
+        rank r's (the input of a reduce-scatter), cast to its dtype. ``whole``: the rows as
+        one rank-major tensor (NCCL's); for a uniform layout each slot is then written into
+        its column block at once (a few copies per parameter, however many ranks: the reverse
+        of ``unpack``'s one copy), not rank by rank."""
+        if whole is None or not self.uniform:
+            for r, row in enumerate(rows):
+                self.pack_row(full, r, row)
+            return
+        at = 0
+        for s, t in zip(self.slots, full):
+            k = s.numel_on(0)
+            block, flat = whole[:, at : at + k], t.reshape(-1)  # (N, k): every rank's segment
+            done, rest = divmod(s.numel, k)
+            if done:
+                block[:done].copy_(flat[: done * k].view(done, k))
+            if rest:
+                block[done, :rest].copy_(flat[done * k :])
+                block[done, rest:].zero_()
+                done += 1
+            if done < self.world_size:
+                block[done:].zero_()  # ranks that hold none of it
+            at += k
 
     def pack_row(self, full: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
         """Write ``rank``'s flat shard of full tensors (one per slot) into ``out``, zero padded."""

@@ -15,11 +15,13 @@ Newton–Schulz, Adafactor's factored moments) are then exact, with no collectiv
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .errors import ShardwiseError
+from .layout import Slot
 
 Placement = Callable[[str, nn.Parameter], str]
 PLACEMENTS = ("rows", "owned")
@@ -66,11 +68,37 @@ def choose_owners(units: Sequence[Sequence[tuple[int, bool]]], world: int) -> li
     return out
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a shard parameter (from a sharded model's ``parameters()``) lives across the
+    ranks, as ``shard()`` laid it out: the record every reader of placement asks (``of``)."""
+
+    name: str  # its qualified name (the first, for a shared parameter)
+    owner: int | None  # the rank that holds it whole; None: rows on every rank
+    split: bool  # a matrix (2-D) whose rows are split across ranks
+
+    @property
+    def owned(self) -> bool:
+        return self.owner is not None
+
+
+def mark(param: nn.Parameter, slot: Slot, world: int) -> None:
+    """Record where ``param``, the shard parameter of ``slot`` in a layout over ``world``
+    ranks, lives."""
+    param._shardwise_placement = Placed(slot.name, slot.owner, not slot.owned and len(slot.shape) == 2 and world > 1)
+
+
+def of(param: torch.Tensor) -> Placed | None:
+    """The placement of a shard parameter; None for a tensor shardwise did not lay out."""
+    return getattr(param, "_shardwise_placement", None)
+
+
 def is_owned(param: torch.Tensor) -> bool:
     """Whether the placement owns ``param`` (from a sharded model's ``parameters()``), on its
     owner or not, so that every rank selects the same parameters for a whole-matrix optimizer
     (under no_shard, where every rank holds every parameter whole, the same ones are marked)."""
-    return getattr(param, "_shardwise_owned", False)
+    placed = of(param)
+    return placed is not None and placed.owned
 
 
 # --- optimizers that need whole matrices
@@ -94,9 +122,8 @@ def check_whole_matrices(optimizer: torch.optim.Optimizer) -> None:
     """Refuse a registered whole-matrix optimizer that steps matrices split in rows."""
     if not isinstance(optimizer, tuple(_whole_matrix)):
         return
-    split = [
-        p._shardwise_split for g in optimizer.param_groups for p in g["params"] if hasattr(p, "_shardwise_split")
-    ]
+    placed = [of(p) for g in optimizer.param_groups for p in g["params"]]
+    split = [p.name for p in placed if p is not None and p.split]
     if split:
         shown = ", ".join(f"'{n}'" for n in split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
         raise ShardwiseError(

@@ -5,13 +5,15 @@ settings (what a plan decides)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Literal
 
 import torch
 
-from .errors import ShardwiseError
 from .codecs import FORMATS as WIRE_FORMATS
+from .codecs import Codec
+from .errors import ShardwiseError
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ class Comm:
     replica: hybrid sharding's all-reduce across shard groups (the link between nodes): a
     reduce-scatter as above, then a gather of the encoded sums.
     Each is None (exact: the dtype itself), "bf16", "fp8" (e4m3, per-block scales) or "int8"
-    (per-block scales).
+    (per-block scales); ``gather_codec``, ``reduce_codec`` and ``replica_codec`` are their
+    codecs (shardwise.codecs), resolved once here.
     error_feedback: keep what encoding dropped from each gradient row this rank sent and add
     it to the next step's row, so rounding errors are delayed rather than lost (the residual
     is saved in checkpoints).
@@ -85,14 +88,18 @@ class Comm:
     reduce: str | None = None
     replica: str | None = None
     error_feedback: bool = False
+    gather_codec: Codec | None = field(init=False, repr=False, compare=False)
+    reduce_codec: Codec | None = field(init=False, repr=False, compare=False)
+    replica_codec: Codec | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        for field in ("gather", "reduce", "replica"):
-            value = getattr(self, field)
+        for kind in ("gather", "reduce", "replica"):
+            value = getattr(self, kind)
             if value is not None and value not in WIRE_FORMATS:
                 raise ShardwiseError(
-                    f"Comm({field}={value!r}): use one of {WIRE_FORMATS}, or None for exact"
+                    f"Comm({kind}={value!r}): use one of {WIRE_FORMATS}, or None for exact"
                 )
+            object.__setattr__(self, f"{kind}_codec", None if value is None else Codec(value))
 
     @staticmethod
     def of(spec: Comm | str | None) -> Comm:
@@ -114,29 +121,47 @@ class Comm:
         return self.gather is None and self.reduce is None and self.replica is None
 
 
-@dataclass(frozen=True)
-class Sharding:
-    """What a strategy name means, as three facts (FSDP2 describes the same space with its
-    ``reshard_after_forward`` and a 1-D or 2-D mesh)."""
+class Sharding(str, Enum):
+    """A sharding strategy: its user-facing name (what ``shard(strategy=...)``, the CLI and
+    checkpoints spell) and what it means, as three facts (FSDP2 describes the same space with
+    its ``reshard_after_forward`` and a 1-D or 2-D mesh). Code asks the facts, never the name.
+
+    A ``str`` enum, so that the name is the value: it prints, serialises (JSON, checkpoint
+    metadata) and compares as the name users wrote.
+    """
 
     shard: bool  # parameters sharded over the shard group (False: whole on every rank, DDP)
     reshard_after_forward: bool  # full parameters freed after each forward, gathered again
     hybrid: bool  # replicated across shard groups: gradients all-reduced across them
 
-    @staticmethod
-    def of(strategy: str) -> Sharding:
-        if strategy not in STRATEGIES:
-            raise ShardwiseError(f"strategy={strategy!r} is not one of {tuple(STRATEGIES)}")
-        return STRATEGIES[strategy]
+    #                       name                    shard  reshard  hybrid
+    FULL_SHARD = ("full_shard", True, True, False)
+    SHARD_GRAD_OP = ("shard_grad_op", True, False, False)
+    NO_SHARD = ("no_shard", False, False, False)
+    HYBRID_SHARD = ("hybrid_shard", True, True, True)
+    HYBRID_SHARD_GRAD_OP = ("hybrid_shard_grad_op", True, False, True)
+
+    def __new__(cls, name: str, shard: bool, reshard_after_forward: bool, hybrid: bool) -> Sharding:
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.shard, member.reshard_after_forward, member.hybrid = shard, reshard_after_forward, hybrid
+        return member
+
+    __str__ = str.__str__  # the name, as a plain string would print
+    __format__ = str.__format__
+
+    @classmethod
+    def of(cls, strategy: Sharding | str) -> Sharding:
+        """The strategy a name means (the one place names are parsed)."""
+        if isinstance(strategy, Sharding):
+            return strategy
+        try:
+            return cls(strategy)
+        except ValueError:
+            raise ShardwiseError(f"strategy={strategy!r} is not one of {STRATEGIES}") from None
 
 
-STRATEGIES = {
-    "full_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=False),
-    "shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=False),
-    "no_shard": Sharding(shard=False, reshard_after_forward=False, hybrid=False),
-    "hybrid_shard": Sharding(shard=True, reshard_after_forward=True, hybrid=True),
-    "hybrid_shard_grad_op": Sharding(shard=True, reshard_after_forward=False, hybrid=True),
-}
+STRATEGIES = tuple(s.value for s in Sharding)  # the names, for argparse and messages
 
 
 @dataclass(frozen=True)
@@ -178,9 +203,12 @@ class Settings:
     ``UnitConfig`` per unit, by unit name ("" for the root; every unit named, innermost first).
     The planner makes one (``shardwise.plan(...).settings``); so can a user."""
 
-    strategy: str
+    strategy: Sharding  # (a name is parsed on creation)
     wrap: Callable[[object, str], bool] | None
     units: tuple[tuple[str, UnitConfig], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", Sharding.of(self.strategy))
 
     def of(self, name: str) -> UnitConfig:
         for n, c in self.units:

@@ -42,6 +42,11 @@ def _selective():
     return create_selective_checkpoint_contexts(_keep_products)
 
 
+def recomputes(module: nn.Module) -> bool:
+    """Whether ``checkpoint_activations`` wrapped ``module``'s forward."""
+    return getattr(module, "_shardwise_checkpointed", False)
+
+
 def checkpoint_activations(model: nn.Module, policy: Policy, *, selective: bool = False) -> list[str]:
     """Recompute the activations of every submodule ``policy`` selects; returns their names.
     ``selective``: keep the outputs of matrix products and attention, recompute the rest
@@ -57,7 +62,7 @@ def checkpoint_activations(model: nn.Module, policy: Policy, *, selective: bool 
     for name, module in model.named_modules():
         if not name or not policy(module, name):
             continue
-        if getattr(module, "_shardwise_checkpointed", False):
+        if recomputes(module):
             raise ShardwiseError(f"'{name}' already recomputes its activations")
         inner = module.forward
 

@@ -18,6 +18,7 @@ leaves ``.grad`` on the shards.
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import weakref
 from collections.abc import Callable
@@ -176,7 +177,6 @@ class Runtime:
         self,
         root: nn.Module,
         units: list[Unit],
-        strategy: str,
         sharding: Sharding,
         mesh: Mesh,
         max_unsharded: int,
@@ -189,8 +189,7 @@ class Runtime:
         self.comm = comm  # precision on the wire, for tools (the units apply it)
         self.grad_scaler = None  # a shardwise.GradScaler attaches itself here
         self.units = units  # innermost first, root last
-        self.strategy = strategy  # its name, for tools and checkpoints
-        self.sharding = sharding  # what it means
+        self.sharding = sharding  # the strategy (its name, for tools and checkpoints, is its value)
         self.mesh = mesh
         self.max_unsharded = max_unsharded
         self.sync_grads = True
@@ -560,7 +559,7 @@ def _reverse_module_order(root: nn.Module, units: list[Unit]) -> list[Unit]:
 def _successors(order: list[Unit]) -> dict[Unit, Unit]:
     """Each unit's successor at its first appearance in ``order``."""
     nxt: dict[Unit, Unit] = {}
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         if a is not b:
             nxt.setdefault(a, b)
     return nxt

@@ -30,15 +30,17 @@ import torch.distributed as dist
 
 from . import api, checkpoint, groups
 from . import collectives as C
-from .recompute import checkpoint_activations
 from .collectives import comm_stats, reset_comm_stats
-from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings
-from .runtime import runtime_of
-from .scaler import GradScaler
+from .data import get_batch, rank_slice
+from .models import GPT, Block, gpt_config
 from .observer import charts, report
 from .observer.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
-from .planner.plan import plan
 from .observer.trace import trace
+from .planner.plan import plan
+from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings, Sharding
+from .recompute import checkpoint_activations
+from .runtime import runtime_of
+from .scaler import GradScaler
 from .wrap import by_class, by_size
 
 
@@ -116,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if a.memory_budget and (a.cpu_offload or a.activation_checkpointing or a.strategy != defaults.strategy):
         p.error("--memory-budget chooses the strategy, checkpointing and offload: drop --strategy, "
                 "--cpu-offload and --activation-checkpointing")
-    if a.shard_size and not STRATEGIES[a.strategy].hybrid:
+    if a.shard_size and not Sharding.of(a.strategy).hybrid:
         p.error(f"--shard-size is for --strategy hybrid_shard or hybrid_shard_grad_op, not {a.strategy}")
     return TrainConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 
@@ -154,20 +156,184 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 def worker(cfg: TrainConfig) -> dict:
     """One rank of the job: build on the meta device, shard, train, report."""
-    from .data import get_batch, rank_slice
-    from .models import GPT, Block, gpt_config
-
     groups.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    global_batch = _global_batch(cfg, world)
-    device = groups.device()
-    mcfg = gpt_config(cfg.model_size, seq_len=cfg.seq_len)
-    wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[cfg.wrap]
-    chosen = _planned(cfg, functools.partial(GPT, mcfg), wrap, world, global_batch) if cfg.memory_budget else None
-    torch.manual_seed(cfg.seed)
-    with torch.device("meta"):
-        model = GPT(mcfg)
+    run = Run(cfg)
+    if run.start >= cfg.steps:
+        if run.rank == 0:
+            print(f"already trained {run.start} steps (--steps {cfg.steps}): nothing to do", flush=True)
+        return {}
+    if run.rank == 0:
+        dtype_table(run.model)
+    run.train()
+    run.write_outputs()
+    summary = run.summary()
+    if run.rank == 0:
+        print(render_summary(summary), flush=True)
+    C.blocking("barrier", "end of training", dist.barrier)
+    return summary
+
+
+class Run:
+    """One rank's training run: the sharded model, its optimizer (and loss scaler), the data
+    stream, and what the run measures on the way (losses, step times, memory, bytes sent).
+
+    ``step`` is one optimizer step; ``train`` loops over the steps, logging, saving and tracing
+    around them; ``summary`` gathers every rank's figures."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.global_batch = _global_batch(cfg, self.world)
+        self.device = groups.device()
+        mcfg = gpt_config(cfg.model_size, seq_len=cfg.seq_len)
+        wrap = {"block": by_class(Block), "size": by_size(1_000_000), "none": None}[cfg.wrap]
+        chosen = (
+            _planned(cfg, functools.partial(GPT, mcfg), wrap, self.world, self.global_batch)
+            if cfg.memory_budget
+            else None
+        )
+        torch.manual_seed(cfg.seed)
+        with torch.device("meta"):
+            self.model = model = GPT(mcfg)
+        _shard(cfg, model, wrap, chosen)
+        if cfg.activation_checkpointing:
+            checkpoint_activations(model, by_class(Block))
+        self.sharding = runtime_of(model).sharding
+        offloaded = any(getattr(u, "offloaded", False) for u in api.units(model))
+        if cfg.compile:  # after shard(): the hooks stay outside the compiled graphs
+            for m in model.modules():
+                if isinstance(m, Block):
+                    m.compile()
+        self.scaler = GradScaler(model) if cfg.mixed_precision == "fp16" else None
+        # offloaded shards step on the CPU: the fused CPU kernel of AdamW does it in one pass
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
+            **({"fused": True} if offloaded else {}),
+        )
+        self.start = _resume(cfg, model, self.opt, self.scaler, self.global_batch) if cfg.resume else 0
+        # what the run measures
+        self.curve: tuple[list[int], list[float]] = ([], [])  # the logged steps and their losses
+        self.step_times: list[float] = []
+        self.first_loss, self.loss = None, float("nan")
+        self.warmup = self.start + min(5, (cfg.steps - self.start) // 4)  # steps before measuring
+        self.peak: dict[str, dict[str, int]] = {}
+        self.held: dict[str, int] = {}
+        self.tracer = None
+
+    def step(self, step: int) -> torch.Tensor:
+        """One optimizer step on this rank's slice of the step's global batch; the loss."""
+        cfg, model, opt, scaler = self.cfg, self.model, self.opt, self.scaler
+        x, y = get_batch(step, self.global_batch, cfg.seq_len, seed=cfg.seed)
+        x, y = rank_slice(x, self.rank, self.world).to(self.device), rank_slice(y, self.rank, self.world).to(self.device)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        tracker = _memory_tracker(model, opt) if step == max(self.start, cfg.steps - 2) else None
+        with tracker or contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore" if tracker else "default")
+            out = model(x, y)
+            (scaler.scale(out) if scaler else out).backward()
+            if scaler:
+                scaler.unscale_(opt)
+            api.clip_grad_norm_(model, 1.0)
+            scaler.step(opt) if scaler else opt.step()
+            if scaler:
+                scaler.update()
+        if tracker is not None:
+            self.peak = _peak_by_category(tracker)
+        if step == cfg.steps - 1:
+            self.held = held_bytes(model, opt)  # with this step's gradients still present
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    def train(self) -> None:
+        """Every step from ``start``: timed, logged, checkpointed every ``save_every``, and the
+        last three traced with ``--report``."""
+        cfg = self.cfg
+        bar = Progress(cfg.steps, self.start, enabled=self.rank == 0)
+        saving = None
+        tracing = contextlib.ExitStack()  # --report: the last steps run traced
+        for step in range(self.start, cfg.steps):
+            if step == self.warmup:
+                reset_comm_stats()
+            if cfg.report and step == max(self.start, cfg.steps - 3):
+                self.tracer = tracing.enter_context(trace(self.model, self.opt))
+            t0 = time.perf_counter()
+            out = self.step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.step_times.append(time.perf_counter() - t0)
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                self._log(step, out, bar)
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                # written in the background while training goes on; the next save waits for it
+                saving = checkpoint.save(
+                    os.path.join(cfg.checkpoint_dir, f"step-{step + 1:08d}"), self.model, self.opt,
+                    step=step + 1, extra=_resume_state(cfg, self.global_batch, self.scaler), async_=True,
+                )
+        if saving is not None:
+            saving.wait()
+        bar.close()
+        tracing.close()  # collective: every rank leaves the trace here
+
+    def _log(self, step: int, out: torch.Tensor, bar: Progress) -> None:
+        """The loss averaged over the ranks, on the progress bar and the loss curve."""
+        t = out.detach().clone()
+        C.blocking("all_reduce", "logged loss", dist.all_reduce, t)
+        self.loss = t.item() / self.world
+        self.first_loss = self.loss if self.first_loss is None else self.first_loss
+        recent = self.step_times[-self.cfg.log_every :]
+        bar.update(step + 1, self.loss, self.global_batch * self.cfg.seq_len / (sum(recent) / len(recent)))
+        self.curve[0].append(step + 1)
+        self.curve[1].append(self.loss)
+
+    def write_outputs(self) -> None:
+        """Rank 0: the loss curve (--loss-curve) and the report of the traced steps (--report)."""
+        cfg = self.cfg
+        if cfg.loss_curve and self.rank == 0:
+            title = f"{cfg.model_size} GPT, {self.sharding}, {self.world} ranks"
+            charts.loss_curve(*self.curve, Path(cfg.loss_curve), title)
+            print(f"wrote the loss curve to {cfg.loss_curve}", flush=True)
+        if cfg.report and self.rank == 0:
+            self.tracer.save(Path(cfg.report).with_suffix(".trace.json"))
+            self.tracer.save_chrome(Path(cfg.report).with_suffix(".chrome.json"))
+            print(f"report: {report.write(self.tracer.data, cfg.report)} (traces beside it)", flush=True)
+
+    def summary(self) -> dict:
+        """The run's figures, every rank's row included (collective)."""
+        cfg = self.cfg
+        measured = max(1, cfg.steps - self.warmup)
+        per_step = {k: v.bytes // measured for k, v in comm_stats().items()}
+        timed = self.step_times[self.warmup - self.start :] or self.step_times
+        row = {
+            "rank": self.rank,
+            **self.held,
+            "all_gather": per_step["all_gather"],
+            "reduce_scatter": per_step["reduce_scatter"],
+            "all_reduce": per_step["all_reduce"],
+            "replica_all_reduce": per_step["replica_all_reduce"],
+            "peak": self.peak,
+            "step_ms": 1000 * sorted(timed)[len(timed) // 2],
+        }
+        rows = [None] * self.world
+        C.blocking("all_gather", "summary", dist.all_gather_object, rows, row)
+        tokens_per_step = self.global_batch * cfg.seq_len
+        return {
+            "config": asdict(cfg),
+            "strategy": self.sharding.value,  # the plan's, with --memory-budget
+            "world_size": self.world,
+            "device": str(self.device),
+            "first_loss": self.first_loss,
+            "final_loss": self.loss,
+            "curve": self.curve,
+            "rows": rows,
+            "theory": theory_bytes_per_step(self.model, self.sharding),
+            "tokens_per_s": tokens_per_step / (sum(self.step_times[self.warmup - self.start :]) / measured),
+        }
+
+
+def _shard(cfg: TrainConfig, model: torch.nn.Module, wrap, chosen: Settings | None) -> None:
+    """``shard()`` as the options say: the plan's settings with --memory-budget."""
     wire = replace(Comm.of(cfg.comm), error_feedback=cfg.error_feedback)
     if chosen is not None:
         api.shard(model, plan=chosen, mixed_precision=cfg.mixed_precision, comm=wire)
@@ -181,122 +347,6 @@ def worker(cfg: TrainConfig) -> dict:
             cpu_offload=cfg.cpu_offload,
             comm=wire,
         )
-    if cfg.activation_checkpointing:
-        checkpoint_activations(model, by_class(Block))
-    strategy = runtime_of(model).strategy
-    offloaded = any(getattr(u, "offloaded", False) for u in api.units(model))
-    if cfg.compile:  # after shard(): the hooks stay outside the compiled graphs
-        for m in model.modules():
-            if isinstance(m, Block):
-                m.compile()
-    scaler = GradScaler(model) if cfg.mixed_precision == "fp16" else None
-    # offloaded shards step on the CPU: the fused CPU kernel of AdamW does it in one pass
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        **({"fused": True} if offloaded else {}),
-    )
-    start = _resume(cfg, model, opt, scaler, global_batch) if cfg.resume else 0
-    if start >= cfg.steps:
-        if rank == 0:
-            print(f"already trained {start} steps (--steps {cfg.steps}): nothing to do", flush=True)
-        return {}
-    if rank == 0:
-        dtype_table(model)
-    bar = Progress(cfg.steps, start, enabled=rank == 0)
-    curve: tuple[list[int], list[float]] = ([], [])  # the logged steps and their losses
-    tokens_per_step = global_batch * cfg.seq_len
-    step_times, first_loss, loss = [], None, float("nan")
-    warmup = start + min(5, (cfg.steps - start) // 4)
-    saving = None
-    tracing = contextlib.ExitStack()  # --report: the last steps run traced
-    for step in range(start, cfg.steps):
-        if step == warmup:
-            reset_comm_stats()
-        if cfg.report and step == max(start, cfg.steps - 3):
-            tracer = tracing.enter_context(trace(model, opt))
-        t0 = time.perf_counter()
-        x, y = get_batch(step, global_batch, cfg.seq_len, seed=cfg.seed)
-        x, y = rank_slice(x, rank, world).to(device), rank_slice(y, rank, world).to(device)
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
-        tracker = _memory_tracker(model, opt) if step == max(start, cfg.steps - 2) else None
-        with tracker or contextlib.nullcontext(), warnings.catch_warnings():
-            warnings.simplefilter("ignore" if tracker else "default")
-            out = model(x, y)
-            (scaler.scale(out) if scaler else out).backward()
-            if scaler:
-                scaler.unscale_(opt)
-            api.clip_grad_norm_(model, 1.0)
-            scaler.step(opt) if scaler else opt.step()
-            if scaler:
-                scaler.update()
-        if tracker is not None:
-            peak = _peak_by_category(tracker)
-        if step == cfg.steps - 1:
-            held = held_bytes(model, opt)  # with this step's gradients still present
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - t0)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            t = out.detach().clone()
-            C.blocking("all_reduce", "logged loss", dist.all_reduce, t)
-            loss = t.item() / world
-            first_loss = loss if first_loss is None else first_loss
-            recent = step_times[-cfg.log_every :]
-            bar.update(step + 1, loss, tokens_per_step / (sum(recent) / len(recent)))
-            curve[0].append(step + 1)
-            curve[1].append(loss)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            # written in the background while training goes on; the next save waits for it
-            saving = checkpoint.save(
-                os.path.join(cfg.checkpoint_dir, f"step-{step + 1:08d}"), model, opt,
-                step=step + 1, extra=_resume_state(cfg, global_batch, scaler), async_=True,
-            )
-    if saving is not None:
-        saving.wait()
-    bar.close()
-    tracing.close()  # collective: every rank leaves the trace here
-    if cfg.loss_curve and rank == 0:
-        title = f"{cfg.model_size} GPT, {strategy}, {world} ranks"
-        charts.loss_curve(*curve, Path(cfg.loss_curve), title)
-        print(f"wrote the loss curve to {cfg.loss_curve}", flush=True)
-    if cfg.report and rank == 0:
-        tracer.save(Path(cfg.report).with_suffix(".trace.json"))
-        tracer.save_chrome(Path(cfg.report).with_suffix(".chrome.json"))
-        print(f"report: {report.write(tracer.data, cfg.report)} (traces beside it)", flush=True)
-    measured = max(1, cfg.steps - warmup)
-    stats = comm_stats()
-    per_step = {k: v.bytes // measured for k, v in stats.items()}
-    timed = step_times[warmup - start :] or step_times
-    row = {
-        "rank": rank,
-        **held,
-        "all_gather": per_step["all_gather"],
-        "reduce_scatter": per_step["reduce_scatter"],
-        "all_reduce": per_step["all_reduce"],
-        "replica_all_reduce": per_step["replica_all_reduce"],
-        "peak": peak,
-        "step_ms": 1000 * sorted(timed)[len(timed) // 2],
-    }
-    rows = [None] * world
-    C.blocking("all_gather", "summary", dist.all_gather_object, rows, row)
-    summary = {
-        "config": asdict(cfg),
-        "strategy": strategy,  # the plan's, with --memory-budget
-        "world_size": world,
-        "device": str(device),
-        "first_loss": first_loss,
-        "final_loss": loss,
-        "curve": curve,
-        "rows": rows,
-        "theory": theory_bytes_per_step(model, strategy),
-        "tokens_per_s": tokens_per_step / (sum(step_times[warmup - start :]) / measured),
-    }
-    if rank == 0:
-        print(render_summary(summary), flush=True)
-    C.blocking("barrier", "end of training", dist.barrier)
-    return summary
 
 
 def _global_batch(cfg: TrainConfig, world: int) -> int:

@@ -25,9 +25,10 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import collectives as C
-from . import codecs, events
+from . import events, placement
+from .codecs import Codec
 from .errors import ShardwiseError
-from .layout import Layout
+from .layout import Layout, Slot
 from .policies import Comm, MixedPrecision
 from .streams import Streams
 
@@ -44,13 +45,13 @@ class NotGathered(torch.Tensor):
 
     _shardwise_name: str
     _shardwise_unit: str
-    _METADATA = {
+    _METADATA = frozenset({
         "shape", "dtype", "device", "requires_grad", "ndim", "is_meta", "size", "dim", "numel",
         "layout", "stride", "storage_offset", "is_contiguous", "is_floating_point", "element_size",
         "itemsize", "nbytes", "untyped_storage", "data_ptr", "is_leaf", "grad", "grad_fn", "_base",
         "is_sparse", "is_quantized", "is_nested", "is_cuda", "is_cpu", "register_hook",
         "register_post_accumulate_grad_hook", "__hash__", "__eq__",
-    }
+    })
 
     @staticmethod
     def make(shape: tuple[int, ...], dtype: torch.dtype, name: str, unit: str, requires_grad: bool) -> NotGathered:
@@ -116,7 +117,7 @@ class Unit:
         # outgoing gradient rows (Note [wire precision] in collectives.py); saved in checkpoints
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def _residual(self, kind: str, codec: codecs.Codec | None, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+    def _residual(self, kind: str, codec: Codec | None, numel: int, like: torch.Tensor) -> torch.Tensor | None:
         """The flat residual of ``kind`` (``numel`` zeros at first, in ``like``'s dtype and
         device) where this collective is encoded with error feedback; else None."""
         if codec is None or not self.comm.error_feedback:
@@ -184,14 +185,14 @@ class ShardedUnit(Unit):
         super().__init__(module, name, registrations, group)
         # precision on the wire; nothing leaves a rank in a group of one
         self.comm = comm or Comm()
-        self.gather_codec = codecs.codec(self.comm.gather) if self.world > 1 else None
-        self.reduce_codec = codecs.codec(self.comm.reduce) if self.world > 1 else None
+        self.gather_codec = self.comm.gather_codec if self.world > 1 else None
+        self.reduce_codec = self.comm.reduce_codec if self.world > 1 else None
         self.reshard_after_forward = reshard_after_forward  # (UnitConfig; never the root's)
         # hybrid sharding: the same-position ranks of the other shard groups, which hold the
         # same shards; gradients are all-reduced over them after the reduce-scatter
         self.replicate = replicate
         self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
-        self.replica_codec = codecs.codec(self.comm.replica) if self.replicas > 1 else None
+        self.replica_codec = self.comm.replica_codec if self.replicas > 1 else None
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
@@ -351,11 +352,11 @@ class ShardedUnit(Unit):
             self.reduce_issued = True
             return
         buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
-        self.grad_layout.pack(grads, buf.rows)  # casts to the reduction dtype on the way
+        self.grad_layout.pack(grads, buf.rows, buf.full)  # casts to the reduction dtype on the way
         del grads
         self._predivided = self.reduce_dtype.itemsize < 4
         if self._predivided:
-            for row in buf.rows:
+            for row in [buf.full] if buf.full is not None else buf.rows:
                 row.div_(self.world * self.replicas)
         self._reduce_out = buf.out
         self._replica = None
@@ -502,14 +503,11 @@ class ShardedUnit(Unit):
             self.flat_shard.copy_(row)
 
 
-def shard_param(view: torch.Tensor, requires_grad: bool, slot, world: int) -> nn.Parameter:
-    """The parameter the optimizer steps for one slot on this rank, marked with its placement
-    (shardwise.placement reads the marks): owned, or a matrix split in rows across ranks."""
+def shard_param(view: torch.Tensor, requires_grad: bool, slot: Slot, world: int) -> nn.Parameter:
+    """The parameter the optimizer steps for one slot on this rank, with its placement
+    recorded (``placement.of``)."""
     p = nn.Parameter(view, requires_grad=requires_grad)
-    if slot.owned:
-        p._shardwise_owned = True
-    elif len(slot.shape) == 2 and world > 1:
-        p._shardwise_split = slot.name  # a matrix whose rows are split across ranks
+    placement.mark(p, slot, world)
     return p
 
 
@@ -534,7 +532,7 @@ class ReplicatedUnit(Unit):
     ):
         super().__init__(module, name, registrations, group)
         self.comm = comm or Comm()
-        self.reduce_codec = codecs.codec(self.comm.reduce) if self.world > 1 else None
+        self.reduce_codec = self.comm.reduce_codec if self.world > 1 else None
         self.params = params
         storage = params[0].dtype if params else torch.float32
         self.compute_dtype = precision.compute_dtype(storage)

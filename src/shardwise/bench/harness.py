@@ -44,13 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import groups
-from ..policies import Comm
 from ..codecs import FORMATS as WIRE_FORMATS
 from ..codecs import Codec
-from . import counts as bench_counts
-from . import machine
 from ..observer import charts
 from ..observer.accounting import theory
+from ..policies import STRATEGIES, Comm, Sharding
+from . import counts as bench_counts
+from . import machine
 from .optimizers import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
@@ -83,21 +83,24 @@ TWO_NODE_SYSTEMS = (
     "shardwise/hybrid_shard+replica-int8",
     "shardwise/full_shard",
 )
-STRATEGIES = ("no_shard", "full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_grad_op")
 
 
-def strategy_of(system: str) -> str:
-    """The sharding strategy of a system's name ("shardwise/full_shard+owned": full_shard)."""
-    return system.partition("/")[2].partition("+")[0]
+def strategy_of(system: str) -> Sharding | None:
+    """The sharding strategy of a system's name ("shardwise/full_shard+owned": full_shard;
+    the floor and DDP: None)."""
+    name = system.partition("/")[2].partition("+")[0]
+    return Sharding.of(name) if name else None
 
 
 def is_hybrid(system: str) -> bool:
-    return strategy_of(system).startswith("hybrid")
+    strategy = strategy_of(system)
+    return strategy is not None and strategy.hybrid
 
 
 def systems_for(strategy: str) -> tuple[str, ...]:
     """The systems that ``--strategy`` compares: the floor, DDP, and both FSDPs under it."""
-    return ("floor", "ddp", *(s for s in SYSTEMS + HYBRID_SYSTEMS if strategy_of(s) == strategy))
+    sharding = Sharding.of(strategy)
+    return ("floor", "ddp", *(s for s in SYSTEMS + HYBRID_SYSTEMS if strategy_of(s) is sharding))
 
 
 MODELS = ("tiny", "small", "medium", "large", "mlp", "mha")
@@ -378,7 +381,7 @@ def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.devi
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-        reshard = strategy in ("full_shard", "hybrid_shard")
+        reshard = strategy.reshard_after_forward
         for m in model.modules():
             if isinstance(m, work.block):
                 fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -558,7 +561,7 @@ def _theory(system: str, cfg: BenchConfig, results: dict) -> int:
     elif wire.startswith("replica-"):
         b_across = Codec(wire.removeprefix("replica-")).nbytes(psi) / psi
     kinds = theory(
-        strategy_of(system) or "no_shard",
+        strategy_of(system) or Sharding.NO_SHARD,  # DDP's theory is no_shard's
         psi,
         world=len(results["ranks"]),
         replicas=results["mesh"][0] if results.get("mesh") else 1,
@@ -667,7 +670,22 @@ def render_markdown(summary: dict) -> str:
     """The results table (and how it was made) as markdown."""
     c = summary["config"]
     muon = c.get("optimizer") == "muon"
-    lines = [
+    columns = _columns(c, muon)
+    return "\n".join([
+        _setup_line(summary),
+        "",
+        "| " + " | ".join(head for head, _, _ in columns) + " |",
+        "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|",
+        *("| " + " | ".join(cell(n, r) for *_, cell in columns) + " |" for n, r in summary["systems"].items()),
+        "",
+        *_notes(summary, muon),
+    ])
+
+
+def _setup_line(summary: dict) -> str:
+    """How the table was made: machine, ranks, link, model, batch, precision, rounds, date."""
+    c = summary["config"]
+    return (
         f"{summary['machine']}; {summary['world_size']} ranks"
         + (
             f" (hybrid: {summary['mesh'][0]} replicas x shard groups of {summary['mesh'][1]})"
@@ -689,9 +707,13 @@ def render_markdown(summary: dict) -> str:
         + (", every block compiled (torch.compile)" if c.get("compile") else "")
         + "; "
         f"{c['rounds']} rounds x {c['steps']} timed steps (after {c['warmup']} warm-up) per system; "
-        f"{summary['date']}",
-    ]
-    columns = [  # header, right-aligned, cell of (name, row)
+        f"{summary['date']}"
+    )
+
+
+def _columns(c: dict, muon: bool) -> list[tuple[str, bool, Callable[[str, dict], str]]]:
+    """The table's columns: header, right-aligned, cell of (system name, row)."""
+    columns = [
         ("system", False, lambda n, r: n),
         ("median ms", True, lambda n, r: f"{r['median_ms']:.1f}"),
         ("p25-p75 ms", True, lambda n, r: f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}"),
@@ -711,17 +733,15 @@ def render_markdown(summary: dict) -> str:
             ("opt x FSDP2", True, lambda n, r: _fmt(r["opt_x_fsdp2"], ".2f")),
             ("matrices' max abs diff vs 1 process", True, lambda n, r: _fmt(r["max_diff"], ".1e")),
         ]
-    lines += [
-        "",
-        "| " + " | ".join(head for head, _, _ in columns) + " |",
-        "|" + "|".join("---:" if right else "---" for _, right, _ in columns) + "|",
-        *("| " + " | ".join(cell(n, r) for *_, cell in columns) + " |" for n, r in summary["systems"].items()),
-    ]
-    lc = summary["loss_check"]
+    return columns
+
+
+def _notes(summary: dict, muon: bool) -> list[str]:
+    """Below the table: how step time, memory and bytes were measured; the loss check."""
+    c, lc = summary["config"], summary["loss_check"]
     load = [f for r in summary["systems"].values() for f in r["others_load"]]
     redone = sum(r["redone_visits"] for r in summary["systems"].values())
-    lines += [
-        "",
+    lines = [
         (
             "Step time: the slowest rank's, over the timed steps of the visits kept ('visits'): "
             f"those during which other processes took at most {100 * c['quiet']:.0f}% of the "
@@ -747,7 +767,7 @@ def render_markdown(summary: dict) -> str:
             "optimizers on the global batches, with Muon's Newton–Schulz in fp32 in both (in "
             "bf16, rounding flips make every data-parallel run drift ~1e-3)."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def report(summary: dict, out: str) -> None:

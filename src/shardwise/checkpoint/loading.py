@@ -27,6 +27,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from .. import collectives as C
+from ..policies import Sharding
 from . import files, pretrained
 from .index import CheckpointError, Index, Piece, TensorRecord, read_index
 from .saving import finish_pending
@@ -48,7 +49,7 @@ class CheckpointInfo:
     step: int | None  # as given to save()
     extra: Any  # as given to save() (rank 0's)
     world_size: int  # of the save
-    strategy: str  # of the save
+    strategy: Sharding  # of the save
     rng_restored: bool  # each rank's RNG states were restored (only at the saved world size)
 
 
@@ -217,7 +218,7 @@ def load(
         for r in restore:
             r()
     return CheckpointInfo(
-        path, index.step, index.extra, index.world_size, index.strategy, index.world_size == world
+        path, index.step, index.extra, index.world_size, Sharding.of(index.strategy), index.world_size == world
     )
 
 

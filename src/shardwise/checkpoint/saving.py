@@ -248,7 +248,7 @@ def _snapshot(
             raise CheckpointError(f"step must be an int or None, got {step!r}")
         if path.exists() and not commit.is_complete(path):
             raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to replace it")
-        rep.meta = {"strategy": rt.strategy, "step": step, "extra": extra, "optimizer": opt_meta}
+        rep.meta = {"strategy": rt.sharding.value, "step": step, "extra": extra, "optimizer": opt_meta}
     return snap
 
 

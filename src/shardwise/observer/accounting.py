@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..api import units
+from ..codecs import Codec
 from ..collectives import step_check_nbytes
 from ..policies import Sharding
-from ..codecs import Codec
 from ..runtime import runtime_of
 from ..unit import ReplicatedUnit, ShardedUnit
 
@@ -62,13 +62,13 @@ def kept_buckets(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in kept if b is not None]
 
 
-def _wire(fmt: str | None, itemsize: int, psi: int) -> float:
+def _wire(codec: Codec | None, itemsize: int, psi: int) -> float:
     """Bytes per element sent: the dtype's, or an encoding's (blocks of the whole, scales included)."""
-    return itemsize if fmt is None else round(Codec(fmt).nbytes(psi) / max(psi, 1), 4)
+    return itemsize if codec is None else round(codec.nbytes(psi) / max(psi, 1), 4)
 
 
 def theory(
-    strategy: str, psi: int, *, world: int, replicas: int = 1, b_gather: float, b_reduce: float,
+    strategy: Sharding | str, psi: int, *, world: int, replicas: int = 1, b_gather: float, b_reduce: float,
     b_across: float | None = None, root: int = 0, trained: int | None = None,
 ) -> dict[str, float]:
     """Bytes per rank per step by collective kind in theory, for psi parameters on ``world``
@@ -96,7 +96,7 @@ def theory(
     return out
 
 
-def formula(strategy: str, same_b: bool = True) -> str:
+def formula(strategy: Sharding | str, same_b: bool = True) -> str:
     """``theory``'s formula, with one b, or b_gather and b_reduce."""
     sharding = Sharding.of(strategy)
     if not sharding.shard:
@@ -111,19 +111,19 @@ def formula(strategy: str, same_b: bool = True) -> str:
 
 
 _NOTES = {
-    "full_shard": "measured is lower by the root unit's backward gather (it stays gathered from "
-    "forward to backward) and higher by padding rows",
-    "shard_grad_op": "one gather in forward, one reduce-scatter; padding rows add a little",
-    "no_shard": "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
-    "hybrid_shard_grad_op": "one gather in forward and one reduce-scatter in the shard group, "
-    "then the replica all-reduce of each rank's reduced shard; padding rows add a little",
+    Sharding.FULL_SHARD: "measured is lower by the root unit's backward gather (it stays gathered "
+    "from forward to backward) and higher by padding rows",
+    Sharding.SHARD_GRAD_OP: "one gather in forward, one reduce-scatter; padding rows add a little",
+    Sharding.NO_SHARD: "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
+    Sharding.HYBRID_SHARD_GRAD_OP: "one gather in forward and one reduce-scatter in the shard "
+    "group, then the replica all-reduce of each rank's reduced shard; padding rows add a little",
 }
-_NOTES["hybrid_shard"] = _NOTES["full_shard"] + (
+_NOTES[Sharding.HYBRID_SHARD] = _NOTES[Sharding.FULL_SHARD] + (
     "; the replica all-reduce moves each rank's reduced shard across the replicas"
 )
 
 
-def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
+def theory_bytes_per_step(model: nn.Module, strategy: Sharding | str) -> dict:
     """``theory`` for a sharded model (its world, mesh and wire precision), without the step
     check, split by link: ``within`` the shard group, ``across`` the replicas. With ``comm``
     the encoded collectives' b is the codec's bytes per element, scales included."""
@@ -132,17 +132,18 @@ def theory_bytes_per_step(model: nn.Module, strategy: str) -> dict:
     s = dist.get_world_size(u.group)
     r = dist.get_world_size(runtime.mesh.replicate) if runtime.mesh.replicate is not None else 1
     comm = runtime.comm
-    b_gather = _wire(comm.gather, u.compute_dtype.itemsize, psi)
-    b_reduce = _wire(comm.reduce, u.reduce_dtype.itemsize, psi)
-    b_across = _wire(comm.replica, u.reduce_dtype.itemsize, psi)
-    kept = _kept_gathered(model) if Sharding.of(strategy).reshard_after_forward else 0
+    b_gather = _wire(comm.gather_codec, u.compute_dtype.itemsize, psi)
+    b_reduce = _wire(comm.reduce_codec, u.reduce_dtype.itemsize, psi)
+    b_across = _wire(comm.replica_codec, u.reduce_dtype.itemsize, psi)
+    strategy = Sharding.of(strategy)
+    kept = _kept_gathered(model) if strategy.reshard_after_forward else 0
     kinds = theory(
         strategy, psi, world=r * s, replicas=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across,
         root=kept,
     )
     across = int(kinds.pop("replica_all_reduce", 0))
     within = int(sum(kinds.values()))
-    same = b_gather == b_reduce or not Sharding.of(strategy).shard
+    same = b_gather == b_reduce or not strategy.shard
     return {
         "formula": formula(strategy, same),
         "bytes": within + across,
@@ -197,8 +198,13 @@ def dtype_table(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     return rows
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """A dtype as tools show it ("float32"); None stays None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def _short(dtype: torch.dtype | None) -> str:
-    return str(dtype).removeprefix("torch.") if dtype is not None else "-"
+    return dtype_name(dtype) or "-"
 
 
 def _on_wire(codec: Codec | None, dtype: torch.dtype) -> str:

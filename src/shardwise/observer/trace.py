@@ -47,6 +47,7 @@ from .. import events, groups
 from ..collectives import comm_stats
 from ..runtime import Phase, _tensors, runtime_of
 from ..unit import ShardedUnit, Unit
+from .accounting import dtype_name
 from .allocations import _Allocations, _FakeAllocations
 
 FORMAT = "shardwise-trace"
@@ -386,7 +387,7 @@ class Trace:
             "format": FORMAT,
             "version": VERSION,
             "world_size": world,
-            "strategy": self.runtime.strategy,
+            "strategy": self.runtime.sharding.value,
             # (replicas, shard group size): gathers and reduce-scatters run within a shard
             # group, hybrid sharding's replica all-reduces across them
             "mesh": {
@@ -394,8 +395,8 @@ class Trace:
                 "shard": dist.get_world_size(mesh.shard),
             },
             "precision": {
-                "param_dtype": _dtype(self.runtime.precision.param_dtype),
-                "reduce_dtype": _dtype(self.runtime.precision.reduce_dtype),
+                "param_dtype": dtype_name(self.runtime.precision.param_dtype),
+                "reduce_dtype": dtype_name(self.runtime.precision.reduce_dtype),
             },
             "cpu_offload": any(getattr(u, "offloaded", False) for u in self.units),
             "categories": list(CATEGORIES),
@@ -435,17 +436,13 @@ def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> T
     return Trace(model, optimizer)
 
 
-def _dtype(d: torch.dtype | None) -> str | None:
-    return None if d is None else str(d).removeprefix("torch.")
-
-
 def _unit_info(u: Unit) -> dict:
     if isinstance(u, ShardedUnit):
         item = u.compute_dtype.itemsize
         return {
             "name": u.label,
             "kind": "sharded",
-            "dtype": _dtype(u.flat_shard.dtype),
+            "dtype": dtype_name(u.flat_shard.dtype),
             "params": u.layout.numel,
             "trained": u.num_trainable,
             "shard_bytes": u.flat_shard.nbytes,
@@ -456,7 +453,7 @@ def _unit_info(u: Unit) -> dict:
     return {
         "name": u.label,
         "kind": "replicated",
-        "dtype": _dtype(u.params[0].dtype) if u.params else "float32",
+        "dtype": dtype_name(u.params[0].dtype) if u.params else "float32",
         "params": numel,
         "trained": u.num_trainable,
         "shard_bytes": sum(p.nbytes for p in u.params),

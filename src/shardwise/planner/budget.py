@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from ..policies import Settings, UnitConfig
+from ..errors import ShardwiseError
+from ..policies import Settings, Sharding, UnitConfig
 from .costs import Rates
 
 LEAST = 1e-3  # a move that lowers the peak by less than this share costs time for nothing
@@ -86,7 +87,7 @@ def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> fl
 def path(
     names: list[str],
     wrap,
-    sharded: tuple[str, str],
+    sharded: tuple[Sharding, Sharding],
     run: Callable[[Settings], object],
     profile_of: Callable[[Settings], tuple[object, Profile]],
     rates: Rates,
@@ -96,14 +97,14 @@ def path(
 ) -> tuple[list[Step], list[str]]:
     """The path from DDP to the smallest configuration (see the module doc), and the moves
     dropped on the way (they lowered nothing). ``names``: the units of ``wrap``, innermost
-    first, the root ("") last; ``sharded``: the strategy names for every unit kept gathered
+    first, the root ("") last; ``sharded``: the strategies for every unit kept gathered
     and for some resharded (hybrid variants where planned so); ``run`` plans one
     configuration; ``profile_of`` plans one and profiles its units."""
     kept = Settings(
         sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names)
     )
     current, profile = profile_of(kept)
-    ddp = Settings("no_shard", None, (("", UnitConfig(reshard_after_forward=False)),))
+    ddp = Settings(Sharding.NO_SHARD, None, (("", UnitConfig(reshard_after_forward=False)),))
     e = run(ddp)
     steps = [
         Step(
@@ -113,7 +114,6 @@ def path(
             "DDP: nothing gathered, recomputed or offloaded",
         )
     ]
-    settings, dropped = kept, []
     t = seconds(kept, current.sent, profile, rates)
     if current.peak < e.peak:
         why = f"shard parameters, gradients and optimizer state, every unit kept gathered to backward: {_delta(e, current, steps[0].seconds, t)}"
@@ -121,40 +121,53 @@ def path(
     non_root = [n for n in names if n]
     moves = [(kind, n) for kind in ("reshard", "recompute", "selective") for n in non_root]
     moves += [(kind, n) for kind in ("offload", "offload activations") for n in names] if offload else []
+    dropped = _walk(steps, kept, current, moves, run, _Pricing(profile, rates, world), sharded)
+    return steps, dropped
 
-    def estimate(move: tuple[str, str]) -> tuple[float, float]:
-        """Predicted seconds a move adds and bytes it saves, before it is planned."""
+
+@dataclass
+class _Pricing:
+    """What a move is predicted to cost and save before it is planned, corrected by what the
+    last kept move of its kind saved of its estimate (savings estimated from bytes held miss
+    when those bytes are held)."""
+
+    profile: Profile
+    rates: Rates
+    world: int
+    learned: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, move: tuple[str, str]) -> tuple[float, float]:
+        """Predicted seconds a move adds and bytes it saves."""
         kind, n = move
+        profile, rates = self.profile, self.rates
         if kind == "reshard":  # (one rank without a cast: the gathered parameters are the shard)
             gathered = profile.gathered_bytes[n]
-            saved = gathered if world > 1 or gathered != profile.shard_bytes[n] else 0
-            return rates.seconds(network=gathered * (world - 1) / world), saved
+            saved = gathered if self.world > 1 or gathered != profile.shard_bytes[n] else 0
+            return rates.seconds(network=gathered * (self.world - 1) / self.world), saved
         if kind == "recompute":
-            return rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(
-                n, 0
-            )
+            return rates.seconds(flops=profile.forward_flops.get(n, 0)), profile.saved_bytes.get(n, 0)
         if kind == "selective":
-            return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(
-                n, 0
-            ) / 2
+            return rates.seconds(host=profile.saved_bytes.get(n, 0)), profile.saved_bytes.get(n, 0) / 2
         if kind == "offload activations":  # out in forward, back in backward
             saved = profile.saved_bytes.get(n, 0)
             return rates.seconds(host=2 * saved), saved
         # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
         return rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
 
-    # what the last kept move of each kind saved of its estimate: the next of its kind is
-    # priced with it (savings estimated from bytes held miss when those bytes are held)
-    learned: dict[str, float] = {}
-
-    def price(move: tuple[str, str]) -> float:
+    def price(self, move: tuple[str, str]) -> float:
         """Predicted seconds per byte saved: the cheapest is tried next."""
-        cost, saved = estimate(move)
-        return cost / (saved * learned.get(move[0], 1.0))
+        cost, saved = self.estimate(move)
+        return cost / (saved * self.learned.get(move[0], 1.0))
 
-    remaining = [m for m in moves if estimate(m)[1] > 0]  # (a move that saves nothing: not tried)
+
+def _walk(steps, settings, current, moves, run, pricing: _Pricing, sharded) -> list[str]:
+    """Try the moves cheapest first, each on top of those kept; a move is kept when it lowers
+    the peak, and becomes a step of the path when it goes below the last step's. Returns the
+    moves dropped, with why."""
+    dropped = []
+    remaining = [m for m in moves if pricing.estimate(m)[1] > 0]  # (saving nothing: not tried)
     while remaining:
-        kind, n = min(remaining, key=price)
+        kind, n = min(remaining, key=pricing.price)
         remaining.remove((kind, n))
         c = settings.of(n)
         if kind in ("recompute", "selective", "offload activations") and (
@@ -162,27 +175,25 @@ def path(
         ):
             continue  # (its activations are recomputed or offloaded already)
         trial = _moved(settings, kind, n, sharded)
-        e = run(trial)
         label = f"{kind} {n or '<root>'}"
+        try:
+            e = run(trial)
+        except ShardwiseError as exc:  # a configuration the model cannot run is not on the path
+            dropped.append(f"{label} fails: {exc}")
+            continue
         if e.peak > current.peak * (1 - LEAST):
             dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
             continue
-        learned[kind] = (current.peak - e.peak) / estimate((kind, n))[1]
-        t_new = seconds(trial, e.sent, profile, rates)
+        pricing.learned[kind] = (current.peak - e.peak) / pricing.estimate((kind, n))[1]
+        t_new = seconds(trial, e.sent, pricing.profile, pricing.rates)
         if e.peak < steps[-1].estimate.peak:
-            steps.append(
-                Step(
-                    trial,
-                    e,
-                    t_new,
-                    f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}",
-                )
-            )
+            why = f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}"
+            steps.append(Step(trial, e, t_new, why))
         settings, current = trial, e
-    return steps, dropped
+    return dropped
 
 
-def _moved(settings: Settings, kind: str, name: str, sharded: tuple[str, str]) -> Settings:
+def _moved(settings: Settings, kind: str, name: str, sharded: tuple[Sharding, Sharding]) -> Settings:
     """``settings`` with one unit's setting changed."""
     change = {
         "reshard": {"reshard_after_forward": True},
@@ -232,10 +243,10 @@ def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
 
 def describe(settings: Settings) -> str:
     """A configuration in a few words: the strategy, then how many units do what."""
-    if settings.strategy == "no_shard":
-        return "no_shard (DDP)"
+    if not settings.strategy.shard:
+        return f"{settings.strategy} (DDP)"
     units = [c for n, c in settings.units if n]
-    parts = [settings.strategy]
+    parts = [f"{settings.strategy}"]
     if units:
         parts.append(
             f"{sum(c.reshard_after_forward for c in units)}/{len(units)} units resharded after forward"
