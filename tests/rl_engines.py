@@ -182,6 +182,7 @@ def warm() -> None:
     """Import vLLM's trainer side and transformers' models in a pool's workers (tens of
     seconds on a busy machine: a task of its own, within the pool's task timeout)."""
     import transformers  # noqa: F401
+
     from shardwise.rl.sync import VLLMSync  # noqa: F401
 
 

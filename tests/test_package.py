@@ -15,7 +15,7 @@ import shardwise
 from shardwise import moved
 
 SRC = Path(shardwise.__file__).resolve().parent
-EDGES = ("shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.train", "shardwise.lightning", "shardwise.hf")
+EDGES = ("shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.train", "shardwise.lightning", "shardwise.hf", "shardwise.rl")
 
 
 def _fresh(code: str):

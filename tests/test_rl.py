@@ -7,15 +7,13 @@ marked ``slow`` (it runs in CI; ``-m "not slow"`` leaves it out locally)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
 pytest.importorskip("peft", reason='needs the hf extra: pip install -e ".[hf]"')
 
-import rl_engines as E  # noqa: E402
+import rl_engines as E
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 1e-4  # fp32 engine against fp32 transformers on the same weights (seen: 5e-7)

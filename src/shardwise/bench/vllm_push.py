@@ -152,9 +152,10 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def run_rank(cfg: Config) -> dict:
+    from transformers import AutoModelForCausalLM
+
     import shardwise
     import shardwise.rl
-    from transformers import AutoModelForCausalLM
 
     from ..rl.source import exports
 
@@ -229,8 +230,9 @@ def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
 
 
 def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
-    import shardwise
     from safetensors.torch import save_file
+
+    import shardwise
 
     times, peak = [], 0
     for i in range(cfg.naive_pushes):

@@ -228,7 +228,7 @@ def merged_names(
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    adapter_files, base = peft_names(model, tensors)
+    _, base = peft_names(model, tensors)
     (adapter,) = model.peft_config  # peft_names raised for several
     merges: dict[str, LoraMerge] = {}
     for mname, module in model.named_modules():

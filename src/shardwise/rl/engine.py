@@ -219,7 +219,10 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
     layerwise reload does at the start of an update, the model's own ``load_weights`` is handed
     meta tensors one name at a time (its shape checks run, no data moves), and the layers get
     their kernel tensors back, untouched."""
-    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _get_original_loader,
+        get_layerwise_info,
+    )
     from vllm.model_executor.model_loader.reload.meta import CopyCounter, restore_layer_on_meta
 
     kept = []
@@ -268,7 +271,9 @@ def repack_experts(model: torch.nn.Module) -> None:
     the prepacking of the expert weights for the grouped kernels: the layer then computes on
     unpacked weights, off by about 1e-2 in logprobs (``reload_weights`` from disk shows the
     same). Run that step, as the first load does."""
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
 
     for m in model.modules():
         method = getattr(m, "quant_method", None)

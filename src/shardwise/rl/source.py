@@ -18,7 +18,6 @@ model. Two ways to read them, both collective over the model's ranks:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch

@@ -13,6 +13,7 @@ update names.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -58,10 +59,8 @@ class ShmWriter:
 
     def _unlink(self) -> None:
         for path in self.paths:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 class TcpWriter:
@@ -117,10 +116,8 @@ def broadcast(group, tensor: torch.Tensor) -> None:
 def _destroy(group) -> None:
     from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
-    try:
+    with contextlib.suppress(Exception):  # a peer already gone: nothing left to release
         stateless_destroy_torch_distributed_process_group(group)
-    except Exception:  # a peer already gone: nothing left to release
-        pass
 
 
 # --- the engine's side
