@@ -17,7 +17,7 @@ from shardwise import moved
 SRC = Path(shardwise.__file__).resolve().parent
 EDGES = (
     "shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.train", "shardwise.lightning",
-    "shardwise.hf", "shardwise.ft",
+    "shardwise.hf", "shardwise.ft", "shardwise.rl",
 )
 
 

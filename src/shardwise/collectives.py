@@ -68,10 +68,11 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
-# outer_all_reduce: the one across replica groups outside the job (outer.py)
+# outer_all_reduce: the one across replica groups outside the job (outer.py);
+# weight_sync: weights handed from this rank to an inference engine (shardwise.rl), booked as sent
 KINDS = (
     "all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "outer_all_reduce", "broadcast",
-    "step_check",
+    "step_check", "weight_sync",
 )
 
 
@@ -147,6 +148,18 @@ class Pending:
         self.works = self.finish = self.buffers = None
         if events.listeners:
             events.emit("collective", self.label, kind=self.kind, bytes=self.nbytes, t_issue=self.t_issue, wait_s=t1 - t0)
+
+
+def book_sent(kind: str, nbytes: int, payload_bytes: int, seconds: float, wait_seconds: float) -> None:
+    """Book one transfer this rank made outside the process groups (a push to an inference
+    engine): ``nbytes`` on the wire, standing for ``payload_bytes`` of dense tensors, over
+    ``seconds``, ``wait_seconds`` of them blocked on the receiver."""
+    s = _stats[kind]
+    s.calls += 1
+    s.bytes += nbytes
+    s.payload_bytes += payload_bytes
+    s.seconds += seconds
+    s.wait_seconds += wait_seconds
 
 
 def _cause(exc: BaseException) -> str:

@@ -174,6 +174,23 @@ class Layout:
             sizes = [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)]
             torch.split_with_sizes_copy(row, sizes, out=self._targets(flat_full, r))
 
+    def segments(self, rows: Sequence[torch.Tensor] | torch.Tensor, index: int) -> list[tuple[int, torch.Tensor]]:
+        """Parameter ``index`` in gathered rows (``rows[r]``: rank r's flat shard, as ``unpack``
+        takes them), without a copy: ``(start, flat view)`` pairs that together hold its
+        elements, ``start`` counting from its first element (one pair for an owned parameter,
+        one per rank holding rows otherwise; padding left out)."""
+        s = self.slots[index]
+        if s.owner is not None:
+            o = s.offsets[s.owner]
+            return [(0, rows[s.owner].view(-1)[o : o + s.numel])]
+        k, out = s.rows_per_rank * s.row_numel, []
+        for r in range(self.world_size):
+            n = min(k, s.numel - r * k)
+            if n <= 0:
+                break
+            out.append((r * k, rows[r].view(-1)[s.offsets[r] : s.offsets[r] + n]))
+        return out
+
     def pack(
         self, full: list[torch.Tensor], rows: Sequence[torch.Tensor], whole: torch.Tensor | None = None
     ) -> None:

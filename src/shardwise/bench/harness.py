@@ -225,6 +225,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison: under torchrun in its ranks, else in ``--nproc`` local ranks."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--vllm" in argv:  # weights into a vLLM engine: a benchmark of its own (vllm_push)
+        from . import vllm_push
+
+        return vllm_push.main([a for a in argv if a != "--vllm"])
     cfg = parse_args(argv)
     if "RANK" in os.environ:
         results = run_rank(cfg)

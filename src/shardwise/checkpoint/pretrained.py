@@ -39,7 +39,7 @@ _PEFT_PREFIX = "base_model.model."  # where a peft model keeps the model it adap
 
 
 @dataclass(frozen=True)
-class _Out:
+class Exported:
     """One tensor of the export: where it comes from and how it is stored."""
 
     name: str  # as stored
@@ -79,12 +79,12 @@ def save_pretrained(
     path = Path(path)
     if dtype is not None and not dtype.is_floating_point:
         raise ShardwiseError(f"save_pretrained(dtype={dtype}) must be a floating-point dtype")
-    tensors = list(_tensors(model, rt, dtype))
-    peft = _is_peft(model)
+    tensors = list(exported_tensors(model, rt, dtype))
+    peft = is_peft(model)
     if peft:
-        adapter_names, base_names = _peft_names(model, tensors)
-        adapter = [_renamed(t, adapter_names[t.name]) for t in tensors if t.name in adapter_names]
-        tensors = [_renamed(t, base_names[t.name]) for t in tensors if t.name in base_names]
+        adapter_names, base_names = peft_names(model, tensors)
+        adapter = [renamed(t, adapter_names[t.name]) for t in tensors if t.name in adapter_names]
+        tensors = [renamed(t, base_names[t.name]) for t in tensors if t.name in base_names]
     groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
     layout = [(n, [tensors[i] for i in g]) for n, g in zip(file_names(len(groups)), groups)]
     if peft:
@@ -92,7 +92,7 @@ def save_pretrained(
     # each file's tensors in the order the writer takes them: the units' gathering order
     layout = [(n, sorted(ts, key=lambda t: -t.dtype.itemsize)) for n, ts in layout]
     order = [t.unit for _, ts in layout for t in ts if t.unit is not None]
-    feed = _Feed(rt.units, [u for i, u in enumerate(order) if i == 0 or order[i - 1] != u])
+    feed = UnitFeed(rt.units, [u for i, u in enumerate(order) if i == 0 or order[i - 1] != u])
     problem = ""
     if rt.mesh.first_replica():  # hybrid sharding: the other replicas hold the same rows
         with flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext():
@@ -107,7 +107,7 @@ def save_pretrained(
     return path
 
 
-def _write(model: nn.Module, path: Path, layout, tensors: list[_Out], feed: _Feed) -> str:
+def _write(model: nn.Module, path: Path, layout, tensors: list[Exported], feed: UnitFeed) -> str:
     """Rank 0: write the files, the weight map and the configs; return "" or what went wrong."""
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def _write(model: nn.Module, path: Path, layout, tensors: list[_Out], feed: _Fee
     return ""
 
 
-class _Feed:
+class UnitFeed:
     """Units' full parameters, one unit at a time, gathered in an order every rank shares
     (each gather is a collective): rank 0 asks for them as it writes, the others drain."""
 
@@ -145,7 +145,7 @@ class _Feed:
             self.units[u].gather_full()
 
 
-def _parts(t: _Out, feed: _Feed):
+def _parts(t: Exported, feed: UnitFeed):
     def parts():
         src = t.buffer if t.unit is None else feed.get(t.unit)[t.index]
         yield src.detach().to("cpu", t.dtype)
@@ -153,7 +153,7 @@ def _parts(t: _Out, feed: _Feed):
     return parts
 
 
-def _tensors(model: nn.Module, rt: Runtime, dtype: torch.dtype | None) -> Iterator[_Out]:
+def exported_tensors(model: nn.Module, rt: Runtime, dtype: torch.dtype | None) -> Iterator[Exported]:
     """The parameters, unit by unit (a tied one once, under its first name), then the
     persistent buffers."""
 
@@ -167,16 +167,16 @@ def _tensors(model: nn.Module, rt: Runtime, dtype: torch.dtype | None) -> Iterat
             firsts.setdefault(r.index, r.fqn)
         for i in range(len(firsts)):
             s = slots[firsts[i]]
-            yield _Out(s.name, stored(s.tensor.dtype), s.shape, ui, i)
+            yield Exported(s.name, stored(s.tensor.dtype), s.shape, ui, i)
     for name, b in persistent_buffers(model).items():
-        yield _Out(name, stored(b.dtype), tuple(b.shape), None, 0, b)
+        yield Exported(name, stored(b.dtype), tuple(b.shape), None, 0, b)
 
 
-def _renamed(t: _Out, name: str) -> _Out:
-    return _Out(name, t.dtype, t.shape, t.unit, t.index, t.buffer)
+def renamed(t: Exported, name: str) -> Exported:
+    return Exported(name, t.dtype, t.shape, t.unit, t.index, t.buffer)
 
 
-def _nbytes(t: _Out) -> int:
+def _nbytes(t: Exported) -> int:
     n = t.dtype.itemsize
     for d in t.shape:
         n *= d
@@ -184,11 +184,11 @@ def _nbytes(t: _Out) -> int:
 
 
 # --- peft
-def _is_peft(model: nn.Module) -> bool:
+def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], dict[str, str]]:
+def peft_names(model: nn.Module, tensors: list[Exported]) -> tuple[dict[str, str], dict[str, str]]:
     """Each name of a peft model -> its name in peft's adapter file, or in the base model's
     files (the name it had before peft: no ``base_model.model.`` prefix, no ``base_layer``)."""
     adapter = _adapter_names(model, [t.name for t in tensors])
@@ -204,6 +204,55 @@ def _peft_names(model: nn.Module, tensors: list[_Out]) -> tuple[dict[str, str], 
         name = t.name.removeprefix(_PEFT_PREFIX)
         base[t.name] = name.replace(".base_layer.", ".").replace(".original_module.", ".")
     return adapter, base
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """A LoRA layer folded into its base weight: ``W + scale * B @ A`` (transposed for a
+    ``fan_in_fan_out`` layer), as peft's ``merge_and_unload`` computes it."""
+
+    a: str  # the state-dict names of lora_A's and lora_B's weights
+    b: str
+    scale: float
+    transpose: bool
+
+
+def merged_names(
+    model: nn.Module, tensors: list[Exported]
+) -> tuple[dict[str, str], dict[str, LoraMerge]]:
+    """What ``merge_and_unload()`` then ``save_pretrained`` would write for a peft model:
+    each tensor's name -> its name in the merged model (the base model's names, as
+    ``peft_names`` gives them, a trained ``modules_to_save`` copy in place of the original;
+    adapters have none: they are folded in), and each merged base weight -> its ``LoraMerge``.
+    LoRA on ``nn.Linear`` layers without DoRA or bias; other layers and tuners raise."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    _, base = peft_names(model, tensors)
+    (adapter,) = model.peft_config  # peft_names raised for several
+    merges: dict[str, LoraMerge] = {}
+    for mname, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+            continue
+        if type(module) is not LoraLinear or module.use_dora.get(adapter) or module.lora_bias.get(adapter):
+            raise NotImplementedError(
+                f"'{mname}': merging a peft {type(module).__name__} layer (DoRA, LoRA bias or "
+                "non-Linear LoRA) into its base weight is not supported; merge_and_unload() it first"
+            )
+        merges[f"{mname}.base_layer.weight"] = LoraMerge(
+            f"{mname}.lora_A.{adapter}.weight",
+            f"{mname}.lora_B.{adapter}.weight",
+            float(module.scaling[adapter]),
+            bool(module.fan_in_fan_out),
+        )
+    names = {}
+    trained = f".modules_to_save.{adapter}."
+    for t in tensors:
+        if trained in t.name:
+            names[t.name] = t.name.removeprefix(_PEFT_PREFIX).replace(trained, ".")
+        elif t.name in base and ".original_module." not in t.name:
+            names[t.name] = base[t.name]
+    return names, merges
 
 
 def _adapter_names(
@@ -231,10 +280,10 @@ def _adapter_names(
 
 
 # --- configs
-def _write_configs(model: nn.Module, path: Path, tensors: list[_Out]) -> None:
+def _write_configs(model: nn.Module, path: Path, tensors: list[Exported]) -> None:
     """config.json with the dtype stored, generation_config.json when the model generates,
     and a peft model's adapter_config.json."""
-    base = model.get_base_model() if _is_peft(model) else model
+    base = model.get_base_model() if is_peft(model) else model
     config = getattr(base, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)
@@ -246,7 +295,7 @@ def _write_configs(model: nn.Module, path: Path, tensors: list[_Out]) -> None:
     can_generate = getattr(base, "can_generate", None)
     if generation is not None and can_generate is not None and can_generate():
         generation.save_pretrained(path)
-    if _is_peft(model):
+    if is_peft(model):
         (adapter,) = model.peft_config.values()
         adapter = copy.deepcopy(adapter)
         adapter.inference_mode = True
@@ -267,7 +316,7 @@ def model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
     (a base checkpoint into a model whose layers peft wrapped). A name that needs one of
     transformers' tensor conversions (fused or split tensors) raises: those cannot be read
     row by row."""
-    if _is_peft(model):
+    if is_peft(model):
         inner = model.get_base_model()
         before = {n.replace(".base_layer.", "."): n for n in inner.state_dict()}
         mapped = _transformers_names(inner, stored, before)
@@ -277,7 +326,7 @@ def model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
 
 def adapter_only(model: nn.Module, names: list[str]) -> list[str]:
     """Which of ``names`` are a peft model's adapters, which no base checkpoint holds."""
-    if not _is_peft(model):
+    if not is_peft(model):
         return []
     return [n for a in model.peft_config for n in _adapter_names(model, names, a)]
 

@@ -1,0 +1,339 @@
+"""``shardwise bench --vllm``: weights into a running vLLM engine, three ways, in one run.
+
+    shardwise bench --vllm --nproc 2 --size small
+    shardwise bench --vllm --nproc 4 --size large --pushes 5 --out bench-vllm
+
+Every rank trains a transformers Llama sharded by shardwise; rank 0 runs a ``vllm.LLM`` (CPU
+here, bf16) that loaded the same model. Measured, in this order, on the same engine:
+
+- ``shardwise``: ``VLLMSync.push()`` (bf16 on the wire, shared memory): units gathered one at
+  a time and streamed in buckets while the engine loads the previous one.
+- ``naive``: verl's way: ``full_state_dict`` on rank 0, written as safetensors (to /dev/shm),
+  then vLLM's ``reload_weights`` from that directory.
+- ``floor``: the bytes the engine must get (the bf16 model) divided by the machine's copy
+  bandwidth (one ``torch`` copy of a buffer as large as the model, bf16 to bf16): no push can
+  move them with fewer copies.
+- ``delta``: after a full push, AdamW steps at ``--lr`` and a delta push after each: the bytes
+  sent against a full push's.
+
+Time is the median push (the slowest rank's); extra memory is each rank's peak resident set
+during a push above what it held before the first (sampled every millisecond: staging
+buffers, gathered units, the naive way's state dict), the largest over ranks. Targets (issue
+31): push <= 1.5x the floor and <= 0.5x naive; extra memory <= one bucket + the largest unit;
+delta bytes <= 0.1x full at lr 1e-5. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SIZES = {  # hidden, intermediate, layers, heads (head_dim 64 but small: 32), vocab
+    "small": (256, 704, 4, 8, 8192),
+    "medium": (512, 1408, 8, 8, 16384),
+    "large": (1024, 2816, 12, 16, 32000),
+}
+
+
+@dataclass
+class Config:
+    nproc: int = 2
+    size: str = "small"
+    pushes: int = 5
+    naive_pushes: int = 3
+    delta_pushes: int = 5
+    warmup_steps: int = 10  # AdamW steps before the delta pushes are measured
+    lr: float = 1e-5
+    bucket_mb: int = 64
+    threads: int = 1
+    out: str = "bench-vllm"
+    seed: int = 0
+
+
+def parse_args(argv: list[str]) -> Config:
+    d = Config()
+    p = argparse.ArgumentParser(prog="shardwise bench --vllm", description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=d.nproc, help="trainer ranks (ignored under torchrun)")
+    p.add_argument("--size", choices=SIZES, default=d.size, help="the Llama: small ~7M, medium ~42M, large ~220M parameters")
+    p.add_argument("--pushes", type=int, default=d.pushes, help="timed shardwise pushes")
+    p.add_argument("--naive-pushes", type=int, default=d.naive_pushes, help="timed naive pushes")
+    p.add_argument("--delta-pushes", type=int, default=d.delta_pushes, help="delta pushes, one AdamW step before each")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="AdamW steps before the delta pushes")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW's learning rate for the delta pushes")
+    p.add_argument("--bucket-mb", type=int, default=d.bucket_mb, help="VLLMSync's staging memory (MiB)")
+    p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
+    p.add_argument("--out", default=d.out, help="output directory")
+    p.add_argument("--seed", type=int, default=d.seed)
+    return Config(**vars(p.parse_args(argv)))
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_args(argv)
+    if "RANK" in os.environ:
+        result = run_rank(cfg)
+        if dist.get_rank() == 0:
+            report(cfg, result)
+        return
+    from ..groups import launch_local
+
+    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+    report(cfg, launch_local(cfg.nproc, run_rank, cfg)[0])
+
+
+def model_config(size: str):
+    from transformers import LlamaConfig
+
+    hidden, inter, layers, heads, vocab = SIZES[size]
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=hidden // heads,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )
+
+
+class PeakRss:
+    """This process's peak resident set while inside, sampled every millisecond (Linux)."""
+
+    def __enter__(self):
+        self.peak, self._stop = _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _largest(nbytes: int) -> int:
+    t = torch.tensor([nbytes], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes per second of one bf16 -> bf16 copy as large as the model (best of 5)."""
+    src = torch.ones(max(nbytes // 2, 1), dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 2 / best
+
+
+def run_rank(cfg: Config) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import shardwise
+    import shardwise.rl
+
+    from ..rl.source import exports
+
+    shardwise.init()
+    rank = dist.get_rank()
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(model_config(cfg.size))
+    work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-", dir="/dev/shm"))
+    llm = None
+    try:
+        if rank == 0:
+            model.save_pretrained(work / "start")
+            _say("starting the engine")
+            from vllm import LLM
+
+            llm = LLM(model=str(work / "start"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
+                      enforce_eager=True, weight_transfer_config={"backend": "shardwise"})
+        dist.barrier()
+        shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+        base = _rss()
+        out = {"world": dist.get_world_size(), "size": cfg.size}
+        exps = exports(model, torch.bfloat16)
+        out["params"] = sum(e.numel for e in exps)
+        out["wire_bytes"] = sum(e.nbytes for e in exps)
+        out["largest_unit_bytes"] = _largest_unit(model)
+        out["bucket_bytes"] = cfg.bucket_mb << 20
+        out["copy_bytes_per_s"] = copy_bandwidth(out["wire_bytes"]) if rank == 0 else 0.0
+        for way, measure in (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta)):
+            _say(f"measuring {way}")
+            out[way] = measure(model, llm, cfg, base, work)
+        return out
+    finally:
+        if llm is not None:  # its engine is a child this process would wait for at exit
+            llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _largest_unit(model) -> int:
+    """Bytes of the largest unit's full parameters, in their dtype (what one gather holds)."""
+    from ..runtime import runtime_of
+
+    rt = runtime_of(model)
+    return max(sum(s.numel for s in u.layout.slots) * u.flat_shard.element_size()
+               if hasattr(u, "layout") else sum(p.numel() * p.element_size() for p in u.params)
+               for u in rt.units)
+
+
+def _say(what: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[bench --vllm {time.strftime('%H:%M:%S')}] {what}", flush=True)
+
+
+def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
+    import shardwise
+    import shardwise.rl
+
+    sync = shardwise.rl.VLLMSync(model, llm, bucket_bytes=cfg.bucket_mb << 20)
+    sync.push()  # warm: staging pages resident, engine buffers allocated
+    waited = shardwise.comm_stats()["weight_sync"].wait_seconds
+    times, peak = [], 0
+    for _ in range(cfg.pushes):
+        dist.barrier()
+        with PeakRss() as mem:
+            t0 = time.perf_counter()
+            sync.push()
+            times.append(_slowest(time.perf_counter() - t0))
+        peak = max(peak, mem.peak - base)
+    sync.close()
+    engine = (shardwise.comm_stats()["weight_sync"].wait_seconds - waited) / cfg.pushes
+    return {"seconds": statistics.median(times), "all_seconds": times, "extra_bytes": _largest(peak),
+            "engine_wait_seconds": engine}
+
+
+def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
+    from safetensors.torch import save_file
+
+    import shardwise
+
+    times, peak = [], 0
+    for i in range(cfg.naive_pushes):
+        dist.barrier()
+        with PeakRss() as mem:
+            t0 = time.perf_counter()
+            full = shardwise.full_state_dict(model)  # every weight on rank 0, fp32
+            if dist.get_rank() == 0:
+                path = work / f"naive-{i}"
+                path.mkdir()
+                save_file({k: v.to(torch.bfloat16).contiguous() for k, v in full.items()}, path / "model.safetensors")
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            del full
+            dist.barrier()
+            times.append(_slowest(time.perf_counter() - t0))
+        peak = max(peak, mem.peak - base)
+        if dist.get_rank() == 0:
+            shutil.rmtree(work / f"naive-{i}", ignore_errors=True)
+    return {"seconds": statistics.median(times), "all_seconds": times, "extra_bytes": _largest(peak)}
+
+
+def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
+    import shardwise
+    import shardwise.rl
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (2, 64), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(cfg.warmup_steps):
+        step()
+    sync = shardwise.rl.VLLMSync(model, llm, delta=True, bucket_bytes=cfg.bucket_mb << 20)
+    sync.push()  # full: the engine's copy and every rank's rows start here
+    ratios, times = [], []
+    for _ in range(cfg.delta_pushes):
+        step()
+        before = shardwise.comm_stats()["weight_sync"]
+        dist.barrier()
+        t0 = time.perf_counter()
+        sync.push()
+        times.append(_slowest(time.perf_counter() - t0))
+        after = shardwise.comm_stats()["weight_sync"]
+        if dist.get_rank() == 0:
+            ratios.append((after.bytes - before.bytes) / (after.payload_bytes - before.payload_bytes))
+    sync.close()
+    return {"bytes_ratio": statistics.median(ratios) if ratios else 0.0, "all_ratios": ratios,
+            "seconds": statistics.median(times)}
+
+
+def report(cfg: Config, r: dict) -> None:
+    floor = r["wire_bytes"] / r["copy_bytes_per_s"]
+    sw, naive, delta = r["shardwise"], r["naive"], r["delta"]
+    allowed = r["bucket_bytes"] + r["largest_unit_bytes"]
+    mib = 2**20
+    rows = [
+        ("floor (bytes / copy bandwidth)", floor, None, "1.00", ""),
+        ("shardwise push (shm, bf16)", sw["seconds"], sw["extra_bytes"], f"{sw['seconds'] / floor:.2f}",
+         f"{sw['seconds'] / naive['seconds']:.2f}"),
+        ("naive: full_state_dict + reload_weights", naive["seconds"], naive["extra_bytes"],
+         f"{naive['seconds'] / floor:.2f}", "1.00"),
+        (f"shardwise delta push (lr {cfg.lr:g})", delta["seconds"], None, f"{delta['seconds'] / floor:.2f}",
+         f"{delta['seconds'] / naive['seconds']:.2f}"),
+    ]
+    lines = [
+        f"# shardwise bench --vllm: {r['size']} Llama ({r['params'] / 1e6:.1f}M parameters, "
+        f"{r['wire_bytes'] / mib:.1f} MiB in bf16), {r['world']} trainer ranks, vLLM {_vllm_version()} on CPU",
+        "",
+        "| way | push s | extra peak memory (largest rank) | x floor | x naive |",
+        "|---|---|---|---|---|",
+    ]
+    for name, s, extra, xf, xn in rows:
+        mem = f"{extra / mib:.1f} MiB" if extra is not None else ""
+        lines.append(f"| {name} | {s:.3f} | {mem} | {xf} | {xn} |")
+    lines += [
+        "",
+        f"- copy bandwidth {r['copy_bytes_per_s'] / 1e9:.2f} GB/s; bucket {r['bucket_bytes'] / mib:.0f} MiB, "
+        f"largest unit {r['largest_unit_bytes'] / mib:.1f} MiB: allowed extra {allowed / mib:.1f} MiB, "
+        f"shardwise took {sw['extra_bytes'] / mib:.1f} MiB",
+        f"- of a shardwise push, rank 0 waited {sw['engine_wait_seconds']:.3f} s on the engine (loading, "
+        "vLLM's layerwise reload and its repacking of weights for the CPU kernels)",
+        f"- delta pushes sent {delta['bytes_ratio']:.3f}x a full push's bytes (median of {len(delta['all_ratios'])}: "
+        + ", ".join(f"{x:.3f}" for x in delta["all_ratios"]) + ")",
+        f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}; <= 0.5x naive: "
+        f"{sw['seconds'] / naive['seconds']:.2f}; extra memory <= bucket + largest unit: "
+        f"{'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_vllm.md").write_text(text + "\n")
+    (out / "bench_vllm.json").write_text(json.dumps({"config": asdict(cfg), **r}, indent=1))
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")

@@ -1,0 +1,23 @@
+"""Weights into a running vLLM engine: the trainer's half of RL post-training
+(``pip install "shardwise[vllm]"``; not imported by ``import shardwise``).
+
+    sync = shardwise.rl.VLLMSync(model, llm if rank == 0 else None)   # or a vllm serve URL
+    sync.push()                                                      # after opt.step()
+
+Modules: sync (``VLLMSync``), source (the model in save_pretrained's names, unit by unit),
+delta (changed values only), wire (the bucket format), transport (shared memory, Gloo over
+TCP), clients (the engine's control plane), trainer and engine (the "shardwise" backend on
+either side of vLLM's weight-transfer API), plugin (vLLM's entry point). docs/rl.md.
+"""
+
+from .clients import EngineError
+
+__all__ = ["VLLMSync", "EngineError"]
+
+
+def __getattr__(name: str):
+    if name == "VLLMSync":  # imports vLLM: only when asked for
+        from .sync import VLLMSync
+
+        return VLLMSync
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,174 @@
+"""The trainer's weights as an inference engine loads them, read from the shards unit by unit.
+
+Names and order are ``save_pretrained``'s (``checkpoint.pretrained``: a tied weight once,
+persistent buffers, a peft model under its base model's names), with LoRA adapters folded
+into their base weights as peft's ``merge_and_unload`` does: an engine serves the merged
+model. Two ways to read them, both collective over the model's ranks:
+
+- ``Gathered(unit)``: one unit's full parameters, gathered once over its group, handed out as
+  segments of the gathered rows (no full copy is made, except for a merged LoRA weight). A
+  unit whose exports are its parameters is gathered in the wire dtype (half the bytes of fp32
+  for bf16; casting commutes with gathering).
+- ``local_rows(export)``: the rows of an export this rank answers for, without a gather (its
+  shard's rows; the delta mode's unit of work).
+
+``ShardwiseSource`` wraps both in vLLM's ``WeightSource`` for vLLM's own nccl and ipc engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import collectives as C
+from .. import flight
+from ..checkpoint.pretrained import exported_tensors, is_peft, merged_names
+from ..checkpoint.state import owned_rows, runtime_of
+from ..errors import ShardwiseError
+from ..runtime import Runtime
+from ..unit import ShardedUnit, Unit
+
+
+@dataclass(frozen=True)
+class Export:
+    """One tensor the engine gets."""
+
+    name: str  # the engine's checkpoint name
+    dtype: torch.dtype  # on the wire
+    shape: tuple[int, ...]
+    unit: int | None  # the unit whose parameter it is (None: a buffer, whole on every rank)
+    index: int  # the parameter's slot in its unit
+    buffer: torch.Tensor | None = None
+    lora: tuple[int, int, float, bool] | None = None  # merged: slots of A and B, scale, transpose
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.shape[0] if self.shape else 1
+
+
+def exports(model: nn.Module, dtype: torch.dtype | None) -> list[Export]:
+    """Every tensor the engine gets, unit by unit, then the buffers (floating-point ones in
+    ``dtype``; None keeps each parameter's)."""
+    rt = runtime_of(model, "VLLMSync")
+    tensors = list(exported_tensors(model, rt, dtype))
+    if not is_peft(model):
+        return [Export(t.name, t.dtype, t.shape, t.unit, t.index, t.buffer) for t in tensors]
+    names, merges = merged_names(model, tensors)
+    by_name = {t.name: t for t in tensors}
+    out = []
+    for t in tensors:
+        if t.name not in names:
+            continue
+        lora = None
+        if t.name in merges:
+            m = merges[t.name]
+            a, b = by_name[m.a], by_name[m.b]
+            if a.unit != t.unit or b.unit != t.unit:
+                raise ShardwiseError(
+                    f"'{t.name}' and its LoRA adapters are in different units: wrap so that each "
+                    "LoRA layer lies inside one unit (shardwise.wrap.auto(model) does)"
+                )
+            lora = (a.index, b.index, m.scale, m.transpose)
+        out.append(Export(names[t.name], t.dtype, t.shape, t.unit, t.index, t.buffer, lora))
+    return out
+
+
+def by_unit(exps: list[Export]) -> list[tuple[int | None, list[Export]]]:
+    """Consecutive exports grouped by unit, in order (buffers last, as one group)."""
+    groups: list[tuple[int | None, list[Export]]] = []
+    for e in exps:
+        if groups and groups[-1][0] == e.unit:
+            groups[-1][1].append(e)
+        else:
+            groups.append((e.unit, [e]))
+    return groups
+
+
+def readers(rt: Runtime) -> contextlib.AbstractContextManager:
+    """Around a pass over the units: under hybrid sharding only rank 0's shard group reads
+    (the others hold the same rows), its collectives kept apart as ``save_pretrained`` does."""
+    return flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext()
+
+
+class Gathered:
+    """One unit's parameters, gathered over its group (collective)."""
+
+    def __init__(self, unit: Unit, exps: list[Export]):
+        self.unit = unit
+        self.sharded = isinstance(unit, ShardedUnit)
+        self.merged: dict[int, torch.Tensor] = {}
+        if not self.sharded:
+            return
+        master = unit.flat_shard.dtype
+        wire = {e.dtype for e in exps}
+        narrow = len(wire) == 1 and all(e.lora is None for e in exps) and next(iter(wire)).itemsize < master.itemsize
+        send = unit.flat_shard.to(unit.device, next(iter(wire)) if narrow else master)
+        pending = C.all_gather(send, unit.group, f"{unit.label} (push)", unit.channel, unit.layout.sizes)
+        pending.wait()
+        self.rows = pending.result
+
+    def segments(self, e: Export) -> list[tuple[int, torch.Tensor]]:
+        """``e``'s elements as ``(start, flat tensor)`` pairs."""
+        if e.lora is not None:
+            return [(0, self.merged_value(e).view(-1))]
+        return self._segments(e.index)
+
+    def full(self, index: int) -> torch.Tensor:
+        """A unit parameter whole (a fresh tensor unless the unit is replicated)."""
+        if not self.sharded:
+            return self.unit.params[index].detach()
+        slot = self.unit.layout.slots[index]
+        out = torch.empty(slot.numel, dtype=self.rows[0].dtype, device=self.rows[0].device)
+        for start, seg in self._segments(index):
+            out[start : start + seg.numel()].copy_(seg)
+        return out.view(slot.shape)
+
+    def merged_value(self, e: Export) -> torch.Tensor:
+        """A LoRA layer's base weight with the adapter folded in, in fp32 (computed once)."""
+        if e.index not in self.merged:
+            ia, ib, scale, transpose = e.lora
+            a, b = self.full(ia).float(), self.full(ib).float()
+            delta = b @ a
+            self.merged[e.index] = self.full(e.index).float() + scale * (delta.T if transpose else delta)
+        return self.merged[e.index]
+
+    def _segments(self, index: int) -> list[tuple[int, torch.Tensor]]:
+        if not self.sharded:
+            return [(0, self.unit.params[index].detach().view(-1))]
+        return self.unit.layout.segments(self.rows, index)
+
+
+def local_rows(rt: Runtime, e: Export, gathered: Gathered | None) -> tuple[int, torch.Tensor] | None:
+    """The rows of ``e`` this rank answers for in delta mode, as ``(first element, rows)``, or
+    None. A sharded parameter's are its shard's rows (no gather); a replicated one's and a
+    merged one's are split by rows like a shard (the merged one from ``gathered``); a buffer's
+    are all on rank 0. Only rank 0's shard group answers (hybrid: the others hold the same)."""
+    if e.unit is None:
+        return (0, e.buffer.detach().view(e.shape)) if dist.get_rank() == 0 else None
+    unit = rt.units[e.unit]
+    if e.lora is None and isinstance(unit, ShardedUnit):
+        slot = unit.layout.slots[e.index]
+        start, stop = slot.row_range(unit.rank)
+        if stop <= start:
+            return None
+        return start * e.row_numel, unit.layout.shard_views(unit.flat_shard, unit.rank)[e.index]
+    start, stop = owned_rows(e.shape, unit.rank, unit.world)
+    if stop <= start:
+        return None
+    whole = gathered.merged_value(e) if e.lora is not None else unit.params[e.index].detach()
+    return start * e.row_numel, whole.reshape(-1, *e.shape[1:])[start:stop]

@@ -1,0 +1,155 @@
+"""shardwise.rl's pieces that need no engine: the bucket format (packed and decoded back),
+a parameter read from gathered rows (``Layout.segments``), and the delta mode's change
+detection. The engine itself runs in tests/test_rl.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardwise.layout import Layout
+from shardwise.rl import wire
+from shardwise.rl.delta import Shadow
+
+
+def pack(tensors, bucket_bytes, dtype):
+    """Pack ``tensors`` (name -> tensor) densely into buckets of ``bucket_bytes``; return the
+    buckets as (bytes, entries), each a copy (the packer reuses its two buffers)."""
+    buffers = [torch.zeros(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+    shipped, free = [], [0, 1]
+
+    def acquire():
+        i = free.pop(0)
+        return wire.Bucket(buffers[i], i)
+
+    def ship(bucket):
+        shipped.append((bucket.data[: bucket.used].clone(), list(bucket.entries)))
+        free.append(bucket.index)
+
+    packer = wire.Packer(acquire, ship)
+    for name, t in tensors.items():
+        flat = t.reshape(-1)
+        half = flat.numel() // 2  # two segments, as two ranks' rows would come
+        packer.dense(name, dtype, tuple(t.shape), [(0, flat[:half]), (half, flat[half:])])
+    packer.flush()
+    return shipped
+
+
+def unpack(shipped):
+    out = {}
+    for data, entries in shipped:
+        for p in wire.decode(data, entries):
+            flat = out.setdefault(p.name, torch.full((math.prod(p.shape),), float("nan"), dtype=p.dtype))
+            flat[p.start : p.start + p.values.numel()] = p.values
+            out[p.name] = flat
+    return out
+
+
+def test_dense_tensors_round_trip_across_buckets():
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(s, generator=g) for i, s in enumerate([(7, 5), (300,), (3, 4, 5), ()])}
+    shipped = pack(tensors, 512, torch.bfloat16)  # 792 bytes: w1 continues in a second bucket
+    assert len(shipped) == 2 and all(any(e["name"] == "w1" for e in entries) for _, entries in shipped)
+    got = unpack(shipped)
+    for name, t in tensors.items():
+        assert torch.equal(got[name].view(t.shape), t.to(torch.bfloat16)), name
+    # a tensor's two segments in one bucket are one entry, not two padded apart
+    assert sum(e["name"] == "w0" for _, entries in shipped for e in entries) == 1
+
+
+def test_sparse_patch_round_trips():
+    buffers = [torch.zeros(256, dtype=torch.uint8) for _ in range(2)]
+    shipped = []
+    packer = wire.Packer(lambda: wire.Bucket(buffers[len(shipped) % 2], len(shipped) % 2),
+                         lambda b: shipped.append((b.data[: b.used].clone(), list(b.entries))))
+    for idx in (torch.arange(0, 120, 3), torch.tensor([1, 2, 400, 401, 9000, 70000])):
+        shipped.clear()
+        vals = torch.linspace(-1, 1, idx.numel()).to(torch.bfloat16)
+        packer.sparse("w", torch.bfloat16, (300, 300), idx, vals)
+        packer.flush()
+        pieces = [p for data, entries in shipped for p in wire.decode(data, entries)]
+        assert torch.equal(torch.cat([p.indices for p in pieces]), idx)
+        assert torch.equal(torch.cat([p.values for p in pieces]), vals)
+    # gaps of 3 go as one byte each; 100 changes (300 bytes) need more than a 256-byte bucket
+    shipped.clear()
+    packer.sparse("w", torch.bfloat16, (10, 30), torch.arange(0, 300, 3), torch.ones(100, dtype=torch.bfloat16))
+    packer.flush()
+    assert len(shipped) > 1 and {e["gap_dtype"] for _, es in shipped for e in es} == {"uint8"}
+
+
+def test_decode_rejects_entries_outside_the_bucket_or_the_shape():
+    data = torch.zeros(64, dtype=torch.uint8)
+    bad = [
+        {"name": "w", "dtype": "float32", "shape": [4], "kind": "dense", "start": 0, "count": 32, "offset": 0},
+        {"name": "w", "dtype": "float32", "shape": [4], "kind": "dense", "start": 2, "count": 4, "offset": 0},
+        {"name": "w", "dtype": "nonsense", "shape": [4], "kind": "dense", "start": 0, "count": 1, "offset": 0},
+    ]
+    for entry in bad:
+        try:
+            wire.decode(data, [entry])
+        except ValueError as e:  # named
+            assert "'w'" in str(e) or "nonsense" in str(e)
+        else:
+            raise AssertionError(f"accepted {entry}")
+
+
+def test_segments_of_gathered_rows_are_the_parameters():
+    """Rows placement (padded last rank) and an owned parameter, read from every rank's flat
+    shard without unpacking the unit."""
+    shapes = [(5, 3), (4,), (2, 2)]
+    full = [torch.arange(math.prod(s), dtype=torch.float32).view(s) + 100 * i for i, s in enumerate(shapes)]
+    layout = Layout.build([(f"p{i}", s) for i, s in enumerate(shapes)], 3, owners=[None, None, 1])
+    rows = [torch.empty(layout.sizes[r]) for r in range(3)]
+    layout.pack(full, rows)
+    for i, t in enumerate(full):
+        out = torch.full((t.numel(),), float("nan"))
+        for start, seg in layout.segments(rows, i):
+            out[start : start + seg.numel()] = seg
+        assert torch.equal(out.view(t.shape), t)
+
+
+def test_shadow_sends_steps_values_or_rows():
+    """What changed since the last push: the steps a value moved where it moved a few, its new
+    value where it moved far (here: across zero), the rows where that is no smaller; applied
+    to what was sent before, the patches give the new rows bit for bit."""
+    shadow = Shadow()
+    rows = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    shadow.store(0, rows, torch.bfloat16)
+    sent = rows.reshape(-1).to(torch.bfloat16).clone()
+    assert shadow.patch(0, 32, rows, torch.bfloat16) == []  # nothing changed
+    moved = rows.clone()
+    moved[3, 5] *= 1.01  # a few steps
+    moved[6, 0] = -moved[6, 0]  # across zero: far
+    patches = shadow.patch(0, 32, moved, torch.bfloat16)
+    steps, values = sorted(patches, key=lambda p: not p.steps)
+    assert steps.steps and steps.indices.tolist() == [32 + 3 * 16 + 5] and steps.values.dtype == torch.int8
+    assert 0 < abs(int(steps.values[0])) < 128
+    assert not values.steps and values.indices.tolist() == [32 + 6 * 16]
+    bits = sent.view(torch.int16)  # as the engine applies them
+    bits[steps.indices - 32] += steps.values.to(torch.int16)
+    sent[values.indices - 32] = values.values
+    assert torch.equal(sent, moved.reshape(-1).to(torch.bfloat16))
+    assert shadow.patch(0, 32, moved, torch.bfloat16) == []  # remembered
+    (p,) = shadow.patch(0, 32, moved + 1.0, torch.bfloat16)  # everything: the rows are smaller
+    assert p.indices is None and p.first == 32 and torch.equal(p.values, (moved + 1.0).reshape(-1).to(torch.bfloat16))
+
+
+def test_steps_round_trip_through_a_bucket():
+    buffers = [torch.zeros(1024, dtype=torch.uint8) for _ in range(2)]
+    shipped = []
+    packer = wire.Packer(lambda: wire.Bucket(buffers[0], 0), lambda b: shipped.append((b.data[: b.used].clone(), list(b.entries))))
+    idx, steps = torch.tensor([3, 7, 300]), torch.tensor([1, -2, 127], dtype=torch.int8)
+    packer.sparse("w", torch.bfloat16, (20, 20), idx, steps, steps=True)
+    packer.flush()
+    (piece,) = [p for data, entries in shipped for p in wire.decode(data, entries)]
+    assert piece.steps and torch.equal(piece.indices, idx) and torch.equal(piece.values, steps)
+
+
+def test_import_shardwise_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = "import sys, shardwise, shardwise.rl; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
