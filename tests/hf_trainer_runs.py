@@ -5,13 +5,12 @@ checkpoint in a new Trainer, at the same or another world size, and exported."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pool import framework_task
 from torch.utils.data import Dataset
 
 import shardwise
@@ -72,22 +71,10 @@ def _state(trainer, name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-@contextlib.contextmanager
-def _quiet():
-    saved = dict(os.environ)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def train_and_export(tmp: str) -> dict:
     """Both trainers, 4 steps from the same model; shardwise's also exports with save_model."""
     out = {}
-    with _quiet():
+    with framework_task():
         for name in ("ddp", "shardwise"):
             t = make_trainer(name, llama(), arguments(f"{tmp}/{name}"))
             t.train()
@@ -110,7 +97,7 @@ def resume(tmp: str, names=("ddp", "shardwise")) -> dict:
     """Each trainer's checkpoint-2 resumed to step 4 by a new Trainer, in a model of other
     initial values (so nothing but the checkpoint can make it right)."""
     out = {}
-    with _quiet():
+    with framework_task():
         for name in names:
             t = make_trainer(name, llama(seed=5), arguments(f"{tmp}/resumed-{name}-{dist.get_world_size()}"))
             t.train(resume_from_checkpoint=f"{tmp}/{name}/checkpoint-2")
@@ -125,7 +112,7 @@ def refused(tmp: str, kind: str) -> str:
 
     overrides = {"fp16": dict(fp16=True), "checkpointing": dict(gradient_checkpointing=True),
                  "parallel": dict(use_cpu=False)}[kind]
-    with _quiet():
+    with framework_task():
         try:
             shardwise.hf.Trainer(model=llama(), args=arguments(str(Path(tmp) / kind), **overrides),
                                  train_dataset=Tokens())
@@ -143,7 +130,7 @@ def best_model(tmp: str) -> tuple[str, float]:
 
     args = arguments(f"{tmp}/best", max_steps=6, eval_strategy="steps", eval_steps=2,
                      load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
-    with _quiet():
+    with framework_task():
         t = shardwise.hf.Trainer(model=llama(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8, seed=3))
         t.train()
     best = t.state.best_model_checkpoint

@@ -7,12 +7,11 @@ each task puts ``os.environ`` back as it found it, since the pool's workers live
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
+from pool import framework_task
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
@@ -99,19 +98,6 @@ def trainer(strategy, devices: int, **kwargs):
     return L.Trainer(strategy=strategy, devices=devices, **{**defaults, **kwargs})
 
 
-@contextlib.contextmanager
-def _lightning_process():
-    """Lightning edits os.environ (a teardown drops WORLD_SIZE); the pool's workers live on."""
-    saved = dict(os.environ)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def _full_state(module, sharded: bool) -> dict[str, torch.Tensor]:
     if sharded:
         return shardwise.full_state_dict(module, rank0_only=False)
@@ -128,7 +114,7 @@ def fit_save_resume(tmp: str, resume_here: bool, options: dict | None = None, **
     other initial values to step 8, validates, tests and predicts (else another pool does)."""
     world = dist.get_world_size()
     out: dict = {}
-    with _lightning_process():
+    with framework_task():
         for name in ("ddp", "shardwise"):
             module = make_module()
             t = trainer(_strategy(name, options), world, max_steps=4, **trainer_kwargs)
@@ -148,7 +134,7 @@ def resume(tmp: str, name: str, options: dict | None = None, **trainer_kwargs) -
     """Resume ``name``'s checkpoint to step 8, in a module of other initial values."""
     world = dist.get_world_size()
     out: dict = {}
-    with _lightning_process():
+    with framework_task():
         module = make_module(seed=7)
         t = trainer(_strategy(name, options), world, max_steps=8, **trainer_kwargs)
         t.fit(module, loader(), ckpt_path=f"{tmp}/{name}.ckpt")
@@ -181,7 +167,7 @@ def precision_runs(tmp: str) -> dict:
             "option": ({"mixed_precision": "bf16"}, "32-true"),
             # (on CPU Lightning turns precision="16-mixed" into bf16; the plugin keeps fp16)
             "16-mixed": ("shardwise", ShardwisePrecision("16-mixed"))}
-    with _lightning_process():
+    with framework_task():
         for key, (strategy, precision) in runs.items():
             module = make_module()
             flag = {"plugins": [precision]} if isinstance(precision, ShardwisePrecision) else {"precision": precision}
@@ -199,7 +185,7 @@ def refused_at_setup(kind: str) -> str:
     """What fit() raises for an option ShardwiseStrategy cannot honour."""
     from shardwise.lightning import ShardwiseStrategy
 
-    with _lightning_process():
+    with framework_task():
         module = make_module()
         if kind == "sync_batchnorm":
             t = trainer("shardwise", dist.get_world_size(), max_steps=1, sync_batchnorm=True)
@@ -229,7 +215,7 @@ def refused_at_setup(kind: str) -> str:
 
 def budget_run(budget: str) -> tuple[list[str], str]:
     """ShardwiseStrategy(memory_budget=...): which kind of unit the plan made of each."""
-    with _lightning_process():
+    with framework_task():
         module = make_module()
         t = trainer({"memory_budget": budget}, dist.get_world_size(), max_steps=1)
         t.fit(module, loader())

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,21 @@ from multiprocessing import connection, get_context
 from typing import Any
 
 __all__ = ["Outcome", "WorkerError", "WorkerPool", "WorkerTimeout"]
+
+
+@contextlib.contextmanager
+def framework_task():
+    """Around a task that runs a training framework in a pool worker: the framework edits
+    os.environ (Lightning's teardown drops WORLD_SIZE, transformers sets its own variables) and
+    warns about the tiny models; the worker lives on with its environment as it was."""
+    saved = dict(os.environ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class WorkerError(RuntimeError):

@@ -252,6 +252,8 @@ class Torchft:
                 f"rank {dist.get_rank()} of group '{self.replica_id}' is behind and could not take "
                 f"a live group's state: {self._transport.failed}"
             ) from self._transport.failed
+        if scaler is not None and self.step == 0:
+            _one_scale(scaler)
         self._kept = heal.transient(self._runtime, scaler)  # (after a heal: its state is the step's start)
         self._in_step, self._committed = True, None
         self._check_layout()
@@ -335,6 +337,23 @@ class Torchft:
         heal.apply(self._runtime, self._optimizers, self._runtime.grad_scaler, state, received.source)
         self.last_heal = Heal(self._manager.current_step(), received.bytes, received.seconds + time.perf_counter() - t0)
         log.info("rank %d healed: %s", dist.get_rank(), self.last_heal)
+
+
+# Note [the first quorum heals rank by rank]: in the first quorum (no step committed yet)
+# torchft's init_sync syncs the groups from a primary that it picks for each rank, not for each
+# group: seen here, rank 1 of group 0 took group 1's state while rank 0 of group 0 kept its own
+# and rank 0 of group 1 took it. Shards are per rank, so that is sound for them; the loss scale
+# is the job's, and a group whose first step overflowed alone before the other joined holds
+# another one. The job's ranks then scaled their losses differently and its reductions summed
+# gradients of two scales, silently (tests/test_ft.py caught it as a run that no longer equals
+# its replay). So until a step has committed, every rank takes its job's rank 0's loss scale
+# after the quorum: rank 0 of every group holds the same primary's, so the groups agree too.
+def _one_scale(scaler) -> None:
+    """Every rank of the job takes rank 0's loss scaler state (Note [the first quorum heals
+    rank by rank])."""
+    state = [scaler.state_dict()]
+    dist.broadcast_object_list(state, src=0)
+    scaler.load_state_dict(state[0])
 
 
 class FaultTolerantOptimizer:

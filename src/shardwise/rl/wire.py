@@ -17,18 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.files import dtype_name, dtype_of
+
 ALIGN = 64  # every entry's data starts at a multiple of this many bytes
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a weight update")
-    return dtype
 
 
 def _aligned(n: int) -> int:
