@@ -42,3 +42,21 @@ def pools() -> Iterator[Callable[[int], WorkerPool]]:
 def pool(request: pytest.FixtureRequest, pools: Callable[[int], WorkerPool]) -> WorkerPool:
     """The shared pool of ``world_size`` given by indirect parametrization (default 2)."""
     return pools(getattr(request, "param", 2))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The vLLM engines tests/test_rl.py uses take about a minute to boot on two cores: start
+    them as soon as the session's tests are known to need them, so that they boot while the
+    tests before that file run (its ``servers`` fixture waits for them and stops them)."""
+    if session.config.option.collectonly:
+        return
+    if any("servers" in getattr(item, "fixturenames", ()) for item in session.items):
+        import rl_engines
+
+        rl_engines.start_servers()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    engines = sys.modules.get("rl_engines")
+    if engines is not None:  # an interrupted session never reached the fixture's end
+        engines.stop_servers()

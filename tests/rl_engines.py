@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -145,6 +146,27 @@ class Server:
                 "versions": sorted({v["version"] for v in c["weight_versions"]}),
             })
         return out
+
+
+_running: dict[str, Server] = {}
+
+
+def start_servers() -> dict[str, Server]:
+    """One ``vllm serve`` per model kind, started together (once): they boot in about a
+    minute on two cores, so conftest starts them as soon as it knows the session needs them,
+    and they boot while the tests before this file run."""
+    if not _running:
+        root = Path(tempfile.mkdtemp(prefix="shardwise-vllm-"))
+        for kind in ("llama", "moe"):
+            _running[kind] = Server(kind, root, free_port())
+            _running[kind].start()
+    return _running
+
+
+def stop_servers() -> None:
+    for server in _running.values():
+        server.stop()
+    _running.clear()
 
 
 def free_port() -> int:

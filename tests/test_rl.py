@@ -32,19 +32,16 @@ def ranks(pools):
 
 
 @pytest.fixture(scope="session")
-def servers(tmp_path_factory):
-    """``servers[kind]``: a running ``vllm serve`` per model kind, both started at once."""
-    root = tmp_path_factory.mktemp("vllm")
-    started = {kind: E.Server(kind, root, E.free_port()) for kind in ("llama", "moe")}
+def servers():
+    """``servers[kind]``: a running ``vllm serve`` per model kind (started by conftest when
+    the session began, so that they boot while other tests run)."""
+    started = E.start_servers()
     try:
-        for s in started.values():
-            s.start()
         for s in started.values():
             s.wait()
         yield started
     finally:
-        for s in started.values():
-            s.stop()
+        E.stop_servers()
 
 
 def check_push(server, result, kind, *, lora=False, round_to=None, before=None):
