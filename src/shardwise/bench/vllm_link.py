@@ -75,22 +75,25 @@ def run(model, cfg, argv: list[str]) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.nproc),
         "-m", "shardwise", "bench", "--vllm", *_without_nproc(argv),
     ]
-    with two_nodes(rate=cfg.link) as link:
-        procs: list[subprocess.Popen] = []
-        try:
-            procs.append(link.run(1, [sys.executable, "-c", f"from shardwise.bench.netns import sink; sink({cfg.port + 1})"],
-                                  log=work / "sink.log", session=True))
-            procs.append(link.run(1, serve_command(work / "start", cfg.port), log=work / "serve.log", env=serve_env,
-                                  session=True))
-            procs.append(link.run(0, trainer, env=threads, session=True))
-            code = _wait_for(procs[-1], procs[:-1], work)
-        finally:
-            for p in reversed(procs):
-                _stop(p)
+    code = 0
+    try:
+        with two_nodes(rate=cfg.link) as link:
+            procs: list[subprocess.Popen] = []
+            try:
+                sink = f"from shardwise.bench.netns import sink; sink({cfg.port + 1})"
+                procs.append(link.run(1, [sys.executable, "-c", sink], log=work / "sink.log", session=True))
+                procs.append(link.run(1, serve_command(work / "start", cfg.port), log=work / "serve.log",
+                                      env=serve_env, session=True))
+                procs.append(link.run(0, trainer, env=threads, session=True))
+                code = _wait_for(procs[-1], procs[:-1], work)
+            finally:
+                for p in reversed(procs):
+                    _stop(p)
+    finally:
+        if not code:  # kept where the trainer failed: the engine's log
+            shutil.rmtree(work, ignore_errors=True)
     if code:
-        raise SystemExit(f"shardwise bench --vllm --nodes 2: the trainer job exited {code} (logs in {work})")
-    shutil.rmtree(work, ignore_errors=True)
-
+        raise SystemExit(f"shardwise bench --vllm --nodes 2: the trainer job exited {code} (the engine's log: {work})")
 
 def _wait_for(trainer: subprocess.Popen, servers: list[subprocess.Popen], work: Path) -> int:
     """The trainer job's exit code; a server that exits first ends the run with its log."""
