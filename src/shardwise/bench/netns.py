@@ -8,6 +8,7 @@ starts a torchrun agent in a namespace, following shared/notes/two-node-link.md:
 the c10d rendezvous (``is_host=1``), each agent gives its own address (``--local_addr``) and
 Gloo is bound to the veth (``GLOO_SOCKET_IFNAME``); ranks of one node talk over its own ``lo``.
 Needs root and iproute2 (``ip``, ``tc``); ``unavailable()`` says why not, where not.
+``sink`` and ``send_rate`` measure what the link carries (a plain TCP transfer).
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.213.0"
+ADDRESSES = (f"{SUBNET}.1", f"{SUBNET}.2")  # node A's and node B's, in every pair of namespaces
 
 
 def unavailable() -> str:
@@ -64,14 +68,18 @@ class Link:
         ]
         return self.run(node, cmd, log=log, env=env)
 
-    def run(self, node: int, cmd: Sequence[str], *, log: Path | None = None, env: dict | None = None) -> subprocess.Popen:
+    def run(
+        self, node: int, cmd: Sequence[str], *, log: Path | None = None, env: dict | None = None,
+        session: bool = False,
+    ) -> subprocess.Popen:
         """``cmd`` in node ``node``'s namespace, with Gloo bound to its veth (e.g. a torchrun
-        job of its own on that node)."""
+        job of its own on that node); ``session``: in a session of its own, so that
+        ``os.killpg(proc.pid, ...)`` stops it with every child (a server)."""
         out = open(log, "w") if log is not None else None  # noqa: SIM115 (the child holds it)
         env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.devices[node]}
         return subprocess.Popen(
             ["ip", "netns", "exec", self.namespaces[node], *cmd], env=env, stdout=out,
-            stderr=subprocess.STDOUT if out else None,
+            stderr=subprocess.STDOUT if out else None, start_new_session=session,
         )
 
 
@@ -81,7 +89,7 @@ def two_nodes(rate: str = "1gbit", delay: str = "1ms", burst: str = "1mb") -> It
     100mbit, ...) with ``delay`` of propagation where netem exists; deleted on exit."""
     tag = uuid.uuid4().hex[:6]  # several harnesses may run on one machine at once
     ns, dev = (f"swA{tag}", f"swB{tag}"), (f"swa{tag}", f"swb{tag}")
-    addrs = (f"{SUBNET}.1", f"{SUBNET}.2")
+    addrs = ADDRESSES
     try:
         _ip("netns", "add", ns[0])
         _ip("netns", "add", ns[1])
@@ -111,3 +119,33 @@ def _run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+
+
+# --- what the link carries: a plain TCP transfer from node A to a sink on node B
+def sink(port: int) -> None:
+    """Serve forever on ``port``: read each connection until the sender closes its side, then
+    answer one byte (``send_rate`` times up to that byte: the bytes have all arrived)."""
+    with socket.create_server(("", port), backlog=4) as server:
+        while True:
+            conn, _ = server.accept()
+            with conn, contextlib.suppress(OSError):  # a sender that went away: the next one
+                while conn.recv(1 << 20):
+                    pass
+                conn.sendall(b"k")
+
+
+def send_rate(host: str, port: int, nbytes: int, tries: int = 3) -> float:
+    """Bytes per second of ``nbytes`` sent over plain TCP to a ``sink`` on ``host:port``
+    (best of ``tries``, connection set-up excluded): the bandwidth a link delivers."""
+    chunk = memoryview(bytearray(1 << 20))
+    best = float("inf")
+    for _ in range(tries):
+        with socket.create_connection((host, port), timeout=300) as s:
+            t0 = time.perf_counter()
+            for sent in range(0, nbytes, len(chunk)):
+                s.sendall(chunk[: min(len(chunk), nbytes - sent)])
+            s.shutdown(socket.SHUT_WR)
+            if s.recv(1) != b"k":
+                raise RuntimeError(f"the sink on {host}:{port} closed before acknowledging {nbytes} bytes")
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best

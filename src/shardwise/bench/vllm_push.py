@@ -2,6 +2,7 @@
 
     shardwise bench --vllm --nproc 2 --size small
     shardwise bench --vllm --nproc 4 --size large --pushes 5 --out bench-vllm
+    shardwise bench --vllm --nodes 2 --link 1gbit --size medium    # the engine across a link
 
 Every rank trains a transformers Llama sharded by shardwise; rank 0 runs a ``vllm.LLM`` (CPU
 here, bf16) that loaded the same model. Measured, in this order, on the same engine:
@@ -15,6 +16,11 @@ here, bf16) that loaded the same model. Measured, in this order, on the same eng
   move them with fewer copies.
 - ``delta``: after a full push, AdamW steps at ``--lr`` and a delta push after each: the bytes
   sent against a full push's.
+
+With ``--nodes 2`` (``vllm_link``) the engine is a ``vllm serve`` on another node joined by a
+link shaped to ``--link``, the push goes over the tcp transport, the floor is the bytes over
+the link's bandwidth (a plain TCP transfer across the same link, in the same run) and the
+naive way is not measured (it needs a filesystem both nodes share).
 
 Time is the median push (the slowest rank's); extra memory is each rank's peak resident set
 during a push above what it held before the first (sampled every millisecond: staging
@@ -46,6 +52,10 @@ SIZES = {  # hidden, intermediate, layers, heads (head_dim 64 but small: 32), vo
     "large": (1024, 2816, 12, 16, 32000),
 }
 
+# the engine's KV cache: vLLM on CPU otherwise reserves 92% of the machine's memory and refuses
+# to start when other processes hold more than 8%
+KV_CACHE_BYTES = 1 << 30
+
 
 @dataclass
 class Config:
@@ -60,6 +70,9 @@ class Config:
     threads: int = 1
     out: str = "bench-vllm"
     seed: int = 0
+    nodes: int = 1
+    link: str = "1gbit"
+    port: int = 18600  # --nodes 2: the engine's port on node B; the link probe's is port + 1
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -76,6 +89,10 @@ def parse_args(argv: list[str]) -> Config:
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
     p.add_argument("--out", default=d.out, help="output directory")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=d.nodes,
+                   help="2: the engine on a second node (network namespace) across a shaped link (needs root)")
+    p.add_argument("--link", default=d.link, help="--nodes 2: the link's rate each way, in tc's units (1gbit, 100mbit)")
+    p.add_argument("--port", type=int, default=d.port, help="--nodes 2: the engine's port on node B (the link probe: port + 1)")
     return Config(**vars(p.parse_args(argv)))
 
 
@@ -86,10 +103,22 @@ def main(argv: list[str]) -> None:
         if dist.get_rank() == 0:
             report(cfg, result)
         return
+    if cfg.nodes == 2:
+        from . import vllm_link
+
+        return vllm_link.run(build_model(cfg), cfg, argv)
     from ..groups import launch_local
 
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     report(cfg, launch_local(cfg.nproc, run_rank, cfg)[0])
+
+
+def build_model(cfg: Config):
+    """The Llama every rank and the engine start from (the same seed, the same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    return AutoModelForCausalLM.from_config(model_config(cfg.size))
 
 
 def model_config(size: str):
@@ -152,27 +181,19 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def run_rank(cfg: Config) -> dict:
-    from transformers import AutoModelForCausalLM
-
     import shardwise
-    import shardwise.rl
 
+    from ..groups import DEFAULT_TIMEOUT_S
     from ..rl.source import exports
+    from . import vllm_link
 
-    shardwise.init()
+    shardwise.init(timeout=vllm_link.SERVE_TIMEOUT_S if cfg.nodes == 2 else DEFAULT_TIMEOUT_S)
     rank = dist.get_rank()
-    torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(model_config(cfg.size))
+    model = build_model(cfg)
     work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-", dir="/dev/shm"))
-    llm = None
+    engine = None
     try:
-        if rank == 0:
-            model.save_pretrained(work / "start")
-            _say("starting the engine")
-            from vllm import LLM
-
-            llm = LLM(model=str(work / "start"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
-                      enforce_eager=True, weight_transfer_config={"backend": "shardwise"})
+        engine = _engine(cfg, model, work) if rank == 0 else None
         dist.barrier()
         shardwise.shard(model, wrap=shardwise.wrap.auto(model))
         base = _rss()
@@ -182,15 +203,56 @@ def run_rank(cfg: Config) -> dict:
         out["wire_bytes"] = sum(e.nbytes for e in exps)
         out["largest_unit_bytes"] = _largest_unit(model)
         out["bucket_bytes"] = cfg.bucket_mb << 20
-        out["copy_bytes_per_s"] = copy_bandwidth(out["wire_bytes"]) if rank == 0 else 0.0
-        for way, measure in (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta)):
+        out["floor_bytes_per_s"] = _floor_bandwidth(cfg, out["wire_bytes"]) if rank == 0 else 0.0
+        ways = (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta))
+        for way, measure in ways if cfg.nodes == 1 else (ways[0], ways[2]):
             _say(f"measuring {way}")
-            out[way] = measure(model, llm, cfg, base, work)
+            out[way] = measure(model, engine, cfg, base, work)
         return out
     finally:
-        if llm is not None:  # its engine is a child this process would wait for at exit
-            llm.llm_engine.engine_core.shutdown()
+        if engine is not None and not isinstance(engine, str):  # an LLM's engine is a child this process would wait for at exit
+            engine.llm_engine.engine_core.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _engine(cfg: Config, model, work: Path):
+    """Rank 0's engine: an in-process ``vllm.LLM`` on this machine, or (``--nodes 2``) the
+    URL of the ``vllm serve`` on node B once it answers."""
+    if cfg.nodes == 2:
+        from . import vllm_link
+
+        _say("waiting for the engine on node B")
+        url = vllm_link.engine_url(cfg.port)
+        vllm_link.wait_healthy(url)
+        return url
+    model.save_pretrained(work / "start")
+    _say("starting the engine")
+    from vllm import LLM
+
+    return LLM(model=str(work / "start"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
+               enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES, weight_transfer_config={"backend": "shardwise"})
+
+
+def _floor_bandwidth(cfg: Config, nbytes: int) -> float:
+    """Bytes per second that bound any push: the machine's copy bandwidth, or across a link
+    what a plain TCP transfer of as many bytes gets through it (node A to node B)."""
+    if cfg.nodes == 1:
+        return copy_bandwidth(nbytes)
+    from .netns import ADDRESSES, send_rate
+
+    _say("measuring the link")
+    return send_rate(ADDRESSES[1], cfg.port + 1, nbytes)
+
+
+def _sync(model, engine, cfg: Config, **kw):
+    """``VLLMSync`` as this run pushes: shared memory, or tcp from node A's address."""
+    import shardwise.rl
+
+    if cfg.nodes == 2:
+        from .netns import ADDRESSES
+
+        kw.update(transport="tcp", address=ADDRESSES[0])
+    return shardwise.rl.VLLMSync(model, engine, bucket_bytes=cfg.bucket_mb << 20, **kw)
 
 
 def _largest_unit(model) -> int:
@@ -210,9 +272,8 @@ def _say(what: str) -> None:
 
 def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
     import shardwise
-    import shardwise.rl
 
-    sync = shardwise.rl.VLLMSync(model, llm, bucket_bytes=cfg.bucket_mb << 20)
+    sync = _sync(model, llm, cfg)
     sync.push()  # warm: staging pages resident, engine buffers allocated
     waited = shardwise.comm_stats()["weight_sync"].wait_seconds
     times, peak = [], 0
@@ -256,7 +317,6 @@ def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
 
 def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
     import shardwise
-    import shardwise.rl
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     vocab = model.config.vocab_size
@@ -270,7 +330,7 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
 
     for _ in range(cfg.warmup_steps):
         step()
-    sync = shardwise.rl.VLLMSync(model, llm, delta=True, bucket_bytes=cfg.bucket_mb << 20)
+    sync = _sync(model, llm, cfg, delta=True)
     sync.push()  # full: the engine's copy and every rank's rows start here
     ratios, times = [], []
     for _ in range(cfg.delta_pushes):
@@ -289,22 +349,29 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
 
 
 def report(cfg: Config, r: dict) -> None:
-    floor = r["wire_bytes"] / r["copy_bytes_per_s"]
-    sw, naive, delta = r["shardwise"], r["naive"], r["delta"]
+    """The table and notes (printed, ``bench_vllm.md``) and every number (``bench_vllm.json``)."""
+    floor = r["wire_bytes"] / r["floor_bytes_per_s"]
+    sw, naive, delta = r["shardwise"], r.get("naive"), r["delta"]
     allowed = r["bucket_bytes"] + r["largest_unit_bytes"]
     mib = 2**20
+    wire = "shm" if cfg.nodes == 1 else f"tcp, {cfg.link} link"
+
+    def vs_naive(s: float) -> str:
+        return f"{s / naive['seconds']:.2f}" if naive else ""
+
     rows = [
-        ("floor (bytes / copy bandwidth)", floor, None, "1.00", ""),
-        ("shardwise push (shm, bf16)", sw["seconds"], sw["extra_bytes"], f"{sw['seconds'] / floor:.2f}",
-         f"{sw['seconds'] / naive['seconds']:.2f}"),
-        ("naive: full_state_dict + reload_weights", naive["seconds"], naive["extra_bytes"],
-         f"{naive['seconds'] / floor:.2f}", "1.00"),
-        (f"shardwise delta push (lr {cfg.lr:g})", delta["seconds"], None, f"{delta['seconds'] / floor:.2f}",
-         f"{delta['seconds'] / naive['seconds']:.2f}"),
+        (f"floor (bytes / {floor_of(cfg)})", floor, None, "1.00", ""),
+        (f"shardwise push ({wire}, bf16)", sw["seconds"], sw["extra_bytes"], f"{sw['seconds'] / floor:.2f}",
+         vs_naive(sw["seconds"])),
+        *([("naive: full_state_dict + reload_weights", naive["seconds"], naive["extra_bytes"],
+            f"{naive['seconds'] / floor:.2f}", "1.00")] if naive else []),
+        (f"shardwise delta push ({wire}, lr {cfg.lr:g})", delta["seconds"], None, f"{delta['seconds'] / floor:.2f}",
+         vs_naive(delta["seconds"])),
     ]
     lines = [
         f"# shardwise bench --vllm: {r['size']} Llama ({r['params'] / 1e6:.1f}M parameters, "
-        f"{r['wire_bytes'] / mib:.1f} MiB in bf16), {r['world']} trainer ranks, vLLM {_vllm_version()} on CPU",
+        f"{r['wire_bytes'] / mib:.1f} MiB in bf16), {r['world']} trainer ranks, vLLM {_vllm_version()} on CPU"
+        + ("" if cfg.nodes == 1 else f", on a second node across a {cfg.link} link"),
         "",
         "| way | push s | extra peak memory (largest rank) | x floor | x naive |",
         "|---|---|---|---|---|",
@@ -312,25 +379,36 @@ def report(cfg: Config, r: dict) -> None:
     for name, s, extra, xf, xn in rows:
         mem = f"{extra / mib:.1f} MiB" if extra is not None else ""
         lines.append(f"| {name} | {s:.3f} | {mem} | {xf} | {xn} |")
-    lines += [
-        "",
-        f"- copy bandwidth {r['copy_bytes_per_s'] / 1e9:.2f} GB/s; bucket {r['bucket_bytes'] / mib:.0f} MiB, "
-        f"largest unit {r['largest_unit_bytes'] / mib:.1f} MiB: allowed extra {allowed / mib:.1f} MiB, "
-        f"shardwise took {sw['extra_bytes'] / mib:.1f} MiB",
-        f"- of a shardwise push, rank 0 waited {sw['engine_wait_seconds']:.3f} s on the engine (loading, "
-        "vLLM's layerwise reload and its repacking of weights for the CPU kernels)",
-        f"- delta pushes sent {delta['bytes_ratio']:.3f}x a full push's bytes (median of {len(delta['all_ratios'])}: "
-        + ", ".join(f"{x:.3f}" for x in delta["all_ratios"]) + ")",
-        f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}; <= 0.5x naive: "
-        f"{sw['seconds'] / naive['seconds']:.2f}; extra memory <= bucket + largest unit: "
-        f"{'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}",
-    ]
+    lines += _notes(cfg, r, floor, allowed)
     text = "\n".join(lines)
     print(text)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_vllm.md").write_text(text + "\n")
     (out / "bench_vllm.json").write_text(json.dumps({"config": asdict(cfg), **r}, indent=1))
+
+
+def floor_of(cfg: Config) -> str:
+    """What bounds a push: the machine's copy bandwidth, or the link's."""
+    return "copy bandwidth" if cfg.nodes == 1 else f"{cfg.link} link's measured bandwidth"
+
+
+def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
+    sw, naive, delta = r["shardwise"], r.get("naive"), r["delta"]
+    mib = 2**20
+    versus = f"; <= 0.5x naive: {sw['seconds'] / naive['seconds']:.2f}" if naive else " (naive: not measured across a link)"
+    return [
+        "",
+        f"- {floor_of(cfg)} {r['floor_bytes_per_s'] / 1e9:.3f} GB/s: floor {floor:.3f} s; bucket "
+        f"{r['bucket_bytes'] / mib:.0f} MiB, largest unit {r['largest_unit_bytes'] / mib:.1f} MiB: allowed extra "
+        f"{allowed / mib:.1f} MiB, shardwise took {sw['extra_bytes'] / mib:.1f} MiB",
+        f"- of a shardwise push, rank 0 waited {sw['engine_wait_seconds']:.3f} s on the engine (loading, "
+        "vLLM's layerwise reload and its repacking of weights for the CPU kernels)",
+        f"- delta pushes sent {delta['bytes_ratio']:.3f}x a full push's bytes (median of {len(delta['all_ratios'])}: "
+        + ", ".join(f"{x:.3f}" for x in delta["all_ratios"]) + ")",
+        f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}{versus}; extra memory <= bucket + largest "
+        f"unit: {'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}",
+    ]
 
 
 def _vllm_version() -> str:

@@ -1,0 +1,119 @@
+"""``shardwise bench --vllm --nodes 2``: the engine on another node, across a shaped link.
+
+Two network namespaces joined by a veth pair shaped to ``--link`` (``shardwise.bench.netns``):
+node B runs ``vllm serve`` with the "shardwise" weight-transfer backend and a TCP sink (the
+link probe); node A runs the trainer ranks under torchrun, which push over the tcp transport
+(``VLLMSync(model, url, transport="tcp", address=<A>)``). The floor is then the bytes over
+the link's bandwidth, measured by rank 0 in the same run across the same veth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .netns import ADDRESSES
+from .vllm_push import KV_CACHE_BYTES
+
+SERVE_TIMEOUT_S = 900.0  # a first `vllm serve` on a busy 2-core machine takes minutes
+
+
+def engine_url(port: int) -> str:
+    """The ``vllm serve`` on node B, as node A reaches it."""
+    return f"http://{ADDRESSES[1]}:{port}"
+
+
+def serve_command(model_dir: Path, port: int) -> list[str]:
+    """``vllm serve`` (its OpenAI server module) on node B's address, bf16 (the wire's dtype),
+    with the weight-transfer backend and the in-process engine's settings (``vllm_push``)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", ADDRESSES[1], "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--max-model-len", "128", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
+        "--enable-scale-out", "--max-num-seqs", "8",
+        "--weight-transfer-config", '{"backend": "shardwise"}',
+    ]
+
+
+def wait_healthy(url: str, timeout: float = SERVE_TIMEOUT_S) -> None:
+    """Rank 0: hold until the engine answers ``/health`` (the parent stops the job if the
+    server exits first)."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} did not answer /health within {timeout:.0f} s")
+
+
+def run(model, cfg, argv: list[str]) -> None:
+    """The parent: namespaces, the engine and the sink on node B, the trainer job on node A;
+    every process stopped and both namespaces deleted at the end, whatever happened."""
+    from .harness import _without_nproc
+    from .netns import two_nodes, unavailable
+
+    why = unavailable()
+    if why:
+        raise SystemExit(f"shardwise bench --vllm --nodes 2: {why}")
+    work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-link-"))
+    model.save_pretrained(work / "start")
+    threads = {"OMP_NUM_THREADS": str(cfg.threads)}
+    serve_env = {**threads, "VLLM_SERVER_DEV_MODE": "1"}
+    trainer = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.nproc),
+        "-m", "shardwise", "bench", "--vllm", *_without_nproc(argv),
+    ]
+    code = 0
+    try:
+        with two_nodes(rate=cfg.link) as link:
+            procs: list[subprocess.Popen] = []
+            try:
+                sink = f"from shardwise.bench.netns import sink; sink({cfg.port + 1})"
+                procs.append(link.run(1, [sys.executable, "-c", sink], log=work / "sink.log", session=True))
+                procs.append(link.run(1, serve_command(work / "start", cfg.port), log=work / "serve.log",
+                                      env=serve_env, session=True))
+                procs.append(link.run(0, trainer, env=threads, session=True))
+                code = _wait_for(procs[-1], procs[:-1], work)
+            finally:
+                for p in reversed(procs):
+                    _stop(p)
+    finally:
+        if not code:  # kept where the trainer failed: the engine's log
+            shutil.rmtree(work, ignore_errors=True)
+    if code:
+        raise SystemExit(f"shardwise bench --vllm --nodes 2: the trainer job exited {code} (the engine's log: {work})")
+
+def _wait_for(trainer: subprocess.Popen, servers: list[subprocess.Popen], work: Path) -> int:
+    """The trainer job's exit code; a server that exits first ends the run with its log."""
+    while trainer.poll() is None:
+        for s in servers:
+            if s.poll() is not None:
+                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in work.glob("*.log"))
+                raise SystemExit(f"shardwise bench --vllm --nodes 2: a server on node B exited {s.returncode}:\n{logs}")
+        time.sleep(1)
+    return trainer.returncode
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a process started in a session of its own and its children: SIGTERM (a server
+    shuts its engine down), then SIGKILL to whatever of the session is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
