@@ -196,6 +196,7 @@ def run_rank(cfg: Config) -> dict:
         engine = _engine(cfg, model, work) if rank == 0 else None
         dist.barrier()
         shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+        _load_vllm_trainer_side()
         base = _rss()
         out = {"world": dist.get_world_size(), "size": cfg.size}
         exps = exports(model, torch.bfloat16)
@@ -213,6 +214,16 @@ def run_rank(cfg: Config) -> dict:
         if engine is not None and not isinstance(engine, str):  # an LLM's engine is a child this process would wait for at exit
             engine.llm_engine.engine_core.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _load_vllm_trainer_side() -> None:
+    """The vLLM modules a ``VLLMSync`` loads on first use (about 130 MiB resident), loaded
+    before the baseline: they are not a push's memory. (Rank 0's in-process ``LLM`` loads them
+    anyway; a rank pushing to a server, and the other ranks, would count them.)"""
+    import vllm.distributed.utils
+    import vllm.distributed.weight_transfer  # noqa: F401
+
+    import shardwise.rl.sync  # noqa: F401
 
 
 def _engine(cfg: Config, model, work: Path):
