@@ -86,19 +86,16 @@ class Server:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait(self, timeout: float = 400) -> None:
-        import requests
+        from shardwise.bench.vllm_link import wait_healthy
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def running() -> None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve ({self.kind}) exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vllm serve ({self.kind}) not up in {timeout} s:\n{self.tail()}")
+
+        try:
+            wait_healthy(self.url, timeout, check=running)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.tail()}") from None
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""

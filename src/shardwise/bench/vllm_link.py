@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .netns import ADDRESSES
@@ -42,13 +43,16 @@ def serve_command(model_dir: Path, port: int) -> list[str]:
     ]
 
 
-def wait_healthy(url: str, timeout: float = SERVE_TIMEOUT_S) -> None:
-    """Rank 0: hold until the engine answers ``/health`` (the parent stops the job if the
-    server exits first)."""
+def wait_healthy(url: str, timeout: float = SERVE_TIMEOUT_S, check: Callable[[], None] | None = None) -> None:
+    """Hold until the ``vllm serve`` at ``url`` answers ``/health``; ``check`` runs between
+    polls and raises where the caller sees the server exit (rank 0 here: the parent stops the
+    job if the server exits first)."""
     import requests
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         try:
             if requests.get(f"{url}/health", timeout=2).status_code == 200:
                 return
