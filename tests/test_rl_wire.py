@@ -1,16 +1,22 @@
 """shardwise.rl's pieces that need no engine: the bucket format (packed and decoded back),
-a parameter read from gathered rows (``Layout.segments``), and the delta mode's change
-detection. The engine itself runs in tests/test_rl.py."""
+a parameter read from gathered rows (``Layout.segments``), a push's gather into its mapped
+scratch memory, and the delta mode's change detection. The engine itself runs in
+tests/test_rl.py."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from nets import make, wrap_policy
 
+import shardwise
+from shardwise import collectives as C
 from shardwise.layout import Layout
 from shardwise.rl import wire
 from shardwise.rl.delta import Shadow
+from shardwise.rl.source import Export, Gathered, Scratch
 
 
 def pack(tensors, bucket_bytes, dtype):
@@ -107,6 +113,39 @@ def test_segments_of_gathered_rows_are_the_parameters():
         for start, seg in layout.segments(rows, i):
             out[start : start + seg.numel()] = seg
         assert torch.equal(out.view(t.shape), t)
+
+
+def gather_every_unit(placement):
+    """Every sharded unit gathered into one ``Scratch`` (reused unit after unit), in bf16 and
+    in the master dtype, against the parameters before sharding; then an ``into`` that does
+    not hold the shard is refused on every rank before anything is sent."""
+    from shardwise.runtime import runtime_of
+    from shardwise.unit import ShardedUnit
+
+    model = make("tied")
+    before = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+    shardwise.shard(model, wrap=wrap_policy("by_class", "tied"), placement=placement)
+    units = [u for u in runtime_of(model).units if isinstance(u, ShardedUnit)]
+    scratch, checked = Scratch(), 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for unit in units:
+            exps = [Export(s.name, dtype, s.shape, 0, i) for i, s in enumerate(unit.layout.slots)]
+            gathered = Gathered(unit, exps, scratch)
+            for i, slot in enumerate(unit.layout.slots):
+                assert torch.equal(gathered.full(i), before[slot.name].to(dtype)), slot.name
+                checked += 1
+    unit = units[0]
+    wrong = torch.empty(sum(unit.layout.sizes), dtype=unit.flat_shard.dtype)
+    with pytest.raises(ValueError, match="with the shard at element"):
+        C.all_gather(unit.flat_shard, unit.group, "test", unit.channel, unit.layout.sizes, into=wrong)
+    return checked
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("placement", [None, shardwise.placement.matrices], ids=["rows", "owned"])
+def test_gather_into_scratch_is_the_parameters(pool, placement):
+    checked = pool.run(gather_every_unit, placement)
+    assert checked[0] == checked[-1] > 0
 
 
 def test_shadow_sends_steps_values_or_rows():

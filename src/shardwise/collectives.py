@@ -299,11 +299,14 @@ def all_gather(
     channel: int,
     sizes: tuple[int, ...] | None = None,
     codec: Codec | None = None,
+    into: torch.Tensor | None = None,
 ) -> Pending:
     """Gather every rank's ``shard``, asynchronously; after ``wait()``, ``result[r]`` is rank
     r's shard (on Gloo ``result[rank]`` is ``shard`` itself: read it, don't write it).
     ``sizes[r]`` is rank r's element count where ranks hold different amounts (owned
     parameters, Note [placement] in layout.py); None: all hold as many as this rank.
+    ``into`` (Gloo, no codec): memory of the caller's for the result, ``sum(sizes)`` elements
+    whose rank-r piece becomes ``result[r]``; ``shard`` must be this rank's piece of it.
 
     Gloo: this rank's shard goes from where it lies to every other rank, and theirs into N-1
     receive rows of their sizes (Note [Gloo gather and reduce-scatter]). Otherwise one
@@ -317,6 +320,8 @@ def all_gather(
     mine = shard.view(-1)
     sizes = sizes if sizes is not None else (mine.numel(),) * world
     gloo = _on_gloo(group)
+    if into is not None:
+        _check_into(into, mine, sizes, rank, (gloo or world == 1) and codec is None)
     if codec is not None and world > 1:
         return _all_gather_encoded(mine, group, label, channel, sizes, codec, gloo)
     _book_ragged("all_gather", sizes, rank, shard.element_size(), padded=not gloo)
@@ -326,9 +331,12 @@ def all_gather(
         if world == 1:
             return [], None, [mine]
         if gloo:
-            others = [n for r, n in enumerate(sizes) if r != rank]
-            rows = list(mine.new_empty(sum(others)).split(others))  # one allocation
-            rows.insert(rank, mine)
+            if into is not None:
+                rows = list(into.view(-1).split(list(sizes)))
+            else:
+                others = [n for r, n in enumerate(sizes) if r != rank]
+                rows = list(mine.new_empty(sum(others)).split(others))  # one allocation
+                rows.insert(rank, mine)
             return _exchange([mine] * world, rows, group, _tag(channel, _GATHER)), None, rows
         widest = max(sizes)
         send = mine if mine.numel() == widest else torch.cat([mine, mine.new_zeros(widest - mine.numel())])
@@ -336,6 +344,16 @@ def all_gather(
         return [_all_gather_tensor(out, send, group=group, async_op=True)], None, out
 
     return _issue("all_gather", label, nbytes, shard, start, numel=max(sizes))
+
+
+def _check_into(into: torch.Tensor, mine: torch.Tensor, sizes: tuple[int, ...], rank: int, supported: bool) -> None:
+    if not supported:
+        raise ValueError("all_gather(into=...) takes a Gloo group and no codec")
+    first = sum(sizes[:rank])
+    if into.numel() != sum(sizes) or into.dtype != mine.dtype or into.view(-1)[first:].data_ptr() != mine.data_ptr():
+        raise ValueError(
+            f"all_gather(into=...): give {sum(sizes)} elements of {mine.dtype} with the shard at element {first}"
+        )
 
 
 def _book_ragged(kind: str, sizes: tuple[int, ...], rank: int, itemsize: int, padded: bool) -> None:

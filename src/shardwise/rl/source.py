@@ -5,10 +5,11 @@ persistent buffers, a peft model under its base model's names), with LoRA adapte
 into their base weights as peft's ``merge_and_unload`` does: an engine serves the merged
 model. Two ways to read them, both collective over the model's ranks:
 
-- ``Gathered(unit)``: one unit's full parameters, gathered once over its group, handed out as
-  segments of the gathered rows (no full copy is made, except for a merged LoRA weight). A
-  unit whose exports are its parameters is gathered in the wire dtype (half the bytes of fp32
-  for bf16; casting commutes with gathering).
+- ``Gathered(unit, exps, scratch)``: one unit's full parameters, gathered once over its group,
+  handed out as segments of the gathered rows (no full copy is made, except for a merged LoRA
+  weight). A unit whose exports are its parameters is gathered in the wire dtype (half the
+  bytes of fp32 for bf16; casting commutes with gathering). On CPU the rows lie in the
+  sync's ``Scratch``, memory of its own that it keeps until it closes.
 - ``local_rows(export)``: the rows of an export this rank answers for, without a gather (its
   shard's rows; the delta mode's unit of work).
 
@@ -18,6 +19,7 @@ model. Two ways to read them, both collective over the model's ranks:
 from __future__ import annotations
 
 import contextlib
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -105,10 +107,33 @@ def readers(rt: Runtime) -> contextlib.AbstractContextManager:
     return flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext()
 
 
-class Gathered:
-    """One unit's parameters, gathered over its group (collective)."""
+class Scratch:
+    """Gather memory on CPU: one anonymous mapping, reused unit after unit and push after push
+    (remapped larger when a unit needs more), unmapped when its owner drops it.
 
-    def __init__(self, unit: Unit, exps: list[Export]):
+    Not the heap: glibc serves allocations below its mmap threshold from its heap and keeps
+    them resident after they are freed, and it raises that threshold to the size of each
+    mapped chunk freed (up to 32 MiB). So after the first push a unit's gather came from the
+    heap, stayed resident, was split by later small allocations, and a later push grew the
+    heap by up to the largest unit again (docs/rl.md, "Measured"). Kept between pushes, not
+    mapped afresh for each: faulting the pages in again cost a push on shared memory more
+    than the gather itself."""
+
+    def __init__(self):
+        self.map: mmap.mmap | None = None
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype``, valid until the next ``take``."""
+        nbytes = numel * dtype.itemsize
+        if self.map is None or len(self.map) < nbytes:
+            self.map = mmap.mmap(-1, max(nbytes, 1))  # the old one goes when its last view does
+        return torch.frombuffer(self.map, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+
+
+class Gathered:
+    """One unit's parameters, gathered over its group (collective); on CPU into ``scratch``."""
+
+    def __init__(self, unit: Unit, exps: list[Export], scratch: Scratch):
         self.unit = unit
         self.sharded = isinstance(unit, ShardedUnit)
         self.merged: dict[int, torch.Tensor] = {}
@@ -117,8 +142,16 @@ class Gathered:
         master = unit.flat_shard.dtype
         wire = {e.dtype for e in exps}
         narrow = len(wire) == 1 and all(e.lora is None for e in exps) and next(iter(wire)).itemsize < master.itemsize
-        send = unit.flat_shard.to(unit.device, next(iter(wire)) if narrow else master)
-        pending = C.all_gather(send, unit.group, f"{unit.label} (push)", unit.channel, unit.layout.sizes)
+        dtype, sizes, label = next(iter(wire)) if narrow else master, unit.layout.sizes, f"{unit.label} (push)"
+        if unit.device.type == "cpu":
+            into = scratch.take(sum(sizes), dtype)
+            first = sum(sizes[: unit.rank])
+            send = into[first : first + sizes[unit.rank]]
+            send.copy_(unit.flat_shard)
+            pending = C.all_gather(send, unit.group, label, unit.channel, sizes, into=into)
+        else:
+            send = unit.flat_shard.to(unit.device, dtype)
+            pending = C.all_gather(send, unit.group, label, unit.channel, sizes)
         pending.wait()
         self.rows = pending.result
 

@@ -39,7 +39,7 @@ from ..runtime import require_idle
 from . import wire
 from .clients import EngineError
 from .delta import Patch, Shadow
-from .source import Export, Gathered, by_unit, exports, local_rows, readers
+from .source import Export, Gathered, Scratch, by_unit, exports, local_rows, readers
 from .transport import ShmWriter, TcpWriter
 
 
@@ -59,9 +59,10 @@ class ShardwiseSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.rt.mesh.first_replica():
             return
+        scratch = Scratch()
         with readers(self.rt), torch.no_grad():
             for unit, exps in self.groups:
-                gathered = Gathered(self.rt.units[unit], exps) if unit is not None else None
+                gathered = Gathered(self.rt.units[unit], exps, scratch) if unit is not None else None
                 for e in exps:
                     out = torch.empty(e.numel, dtype=e.dtype, device=self.rt.device)
                     segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
@@ -93,6 +94,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         self.shadow = Shadow()
         self.index = {e.name: i for i, e in enumerate(source.exports)}  # the shadow's keys
         self.writer = None
+        self.scratch = Scratch()  # every rank's gathers, on CPU; kept until shutdown
 
     @classmethod
     def trainer_init(cls, init_info: ShardwiseTrainerInitInfo, *, client, source=None):
@@ -161,7 +163,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         _agree(problem, f"push of version {version} failed")
 
     def _full_unit(self, unit: int | None, exps: list[Export], sender) -> None:
-        gathered = Gathered(self.source.rt.units[unit], exps) if unit is not None else None
+        gathered = Gathered(self.source.rt.units[unit], exps, self.scratch) if unit is not None else None
         for e in exps:
             if sender:
                 segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
@@ -175,7 +177,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         rt = self.source.rt
         gathered = None
         if unit is not None and any(e.lora is not None for e in exps):
-            gathered = Gathered(rt.units[unit], exps)
+            gathered = Gathered(rt.units[unit], exps, self.scratch)
         mine = []
         for e in exps:
             rows = local_rows(rt, e, gathered)
@@ -196,6 +198,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
             self.writer.close()
             self.writer = None
         self.shadow.reset()
+        self.scratch = Scratch()
 
 
 class _Sender:
