@@ -7,8 +7,8 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
   a replay of the same participation record without any failure (outer_groups.replay, in the
   pool of 4 ranks standing for the two jobs).
   The state includes fp16's loss scale, int8's error feedback residuals and owned matrices.
-- Jobs of different sizes (2 ranks and 1, hybrid sharding within a "node" of one rank): the
-  smaller joins late and heals; both end bitwise equal and like one process trained on the
+- Jobs of different sizes (1 rank and 2, hybrid sharding within a "node" of one rank): the
+  larger joins late and heals (its second replica through its first); both end bitwise equal and like one process trained on the
   batches of every rank taking part; a job of other shards cannot heal (CannotHeal) while the
   others go on; a lighthouse lost mid-run ends every rank of every group with LighthouseLost
   within seconds.
@@ -216,26 +216,26 @@ def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_can
     jobs, lighthouse_process
 ):
     server, jobs.lighthouse = lighthouse_process
-    # hybrid sharding within a "node" of one rank: job 0 has 2 replicas, job 1 one (Note [jobs
+    # hybrid sharding within a "node" of one rank: job 0 has 1 replica, job 1 two (Note [jobs
     # of different sizes] in shardwise/ft/replicas.py)
     hybrid = {"strategy": "hybrid_shard", "shard_size": 1}
     cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": True,
            "max_steps": 100_000, **hybrid}
-    a = jobs.start(0, **cfg)
+    a = jobs.start(0, nproc=1, **cfg)
     wait_for(jobs, lambda: min(last_steps(jobs.out, 0), default=0) >= 2, [a])
-    b = jobs.start(1, nproc=1, **cfg)  # joins late: heals from a live group, rank for rank
-    saved = [jobs.out / f"g{g}-{r}.pt" for g, r in ((0, 0), (0, 1), (1, 0))]
+    b = jobs.start(1, **cfg)  # joins late: its first replica heals from job 0, the second from it
+    saved = [jobs.out / f"g{g}-{r}.pt" for g, r in ((0, 0), (1, 0), (1, 1))]
     wait_for(jobs, lambda: all(p.exists() for p in saved), [a, b])
     time.sleep(0.5)  # (written)
-    twin = final(jobs.out, 1, 0)
-    assert twin["heal"] is not None and twin["heal"][0] >= 2 and twin["heal"][1] > 0
+    mine = final(jobs.out, 0, 0)
     for rank in (0, 1):
-        mine = final(jobs.out, 0, rank)
-        differ = [n for n, v in model_state(mine).items() if not torch.equal(v, twin["state"][n])]
-        assert not differ, f"rank {rank} of job 0: differs from job 1 in {differ}"
+        twin = final(jobs.out, 1, rank)
+        assert twin["heal"] is not None and twin["heal"][0] >= 2 and twin["heal"][1] > 0
+        differ = [n for n, v in model_state(twin).items() if not torch.equal(v, mine["state"][n])]
+        assert not differ, f"rank {rank} of job 1: differs from job 0 in {differ}"
     # every rank's batch counts once, whichever job it is in (Note [the job's average before
     # the groups'] in shardwise/outer.py): like one process on the batches taking part
-    diff, moved = replay_alone(records(jobs.out, 0)["g0-r0-run0"], final(jobs.out, 0, 0))
+    diff, moved = replay_alone(records(jobs.out, 0)["g0-r0-run0"], mine)
     assert moved > 0.05 and diff <= 1e-5, (diff, moved)
     # a job sharding over 2 ranks: not the others' rows, so it cannot heal; they go on
     c = jobs.start(2, **{**cfg, "shard_size": 2, "forever": False})
@@ -247,7 +247,7 @@ def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_can
     os.killpg(server.pid, signal.SIGKILL)
     lost = time.time()
     assert jobs.wait(a, 60) != 0 and jobs.wait(b, 60) != 0  # (exited once torchft's quorum timed out)
-    for group, rank in ((0, 0), (0, 1), (1, 0)):
+    for group, rank in ((0, 0), (1, 0), (1, 1)):
         ended = jobs.out / f"g{group}-error-{rank}.txt"
         message = ended.read_text()
         assert message.startswith("LighthouseLost") and jobs.lighthouse in message, message
@@ -256,7 +256,7 @@ def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_can
 
 def replay_alone(record: list, saved: dict) -> tuple[float, float]:
     """Train the unsharded model in this process on the batches of every rank that took part
-    in each committed step of ``record`` (job 0's 2 ranks; job 1's rank too where both jobs
+    in each committed step of ``record`` (job 0's rank; job 1's 2 ranks too where both jobs
     did) up to the step ``saved`` was taken at; its largest difference from ``saved``'s
     parameters, and how far training moved them."""
     from nets import loss_of, make
@@ -268,7 +268,7 @@ def replay_alone(record: list, saved: dict) -> tuple[float, float]:
     for step, groups, committed, _ in record:
         if not committed or step >= saved["step"]:
             continue
-        batches = [group_batch("tied", step, 0, 2, 2)] + ([group_batch("tied", step, 1, 2, 1)] if groups == 2 else [])
+        batches = [group_batch("tied", step, 0, 2, 1)] + ([group_batch("tied", step, 1, 2, 2)] if groups == 2 else [])
         loss_of(ref, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])).backward()
         opt.step()
         opt.zero_grad()
