@@ -49,12 +49,16 @@ def fingerprint(description: dict) -> list[float]:
     return [float(v) for p in parts for v in (p, p * p)]
 
 
-def transient(rt: Runtime, scaler) -> dict[str, Any]:
+def transient(rt: Runtime, scaler, buffers: dict | None = None) -> dict[str, Any]:
     """Copies of what forward, backward and the loss scaler change outside the optimizer's
     step (buffers, error feedback residuals, the loss scale), taken at the start of a step,
-    after any heal, so that a step that does not commit can be undone (``restore_transient``)."""
+    after any heal, so that a step that does not commit can be undone (``restore_transient``).
+    ``buffers``: copies of the buffers taken at this step's start already (the ``snapshot``'s,
+    where no heal changed them since), kept instead of copying them again."""
+    if buffers is None:
+        buffers = {n: b.detach().clone() for n, b in persistent_buffers(rt.root).items()}
     return {
-        "buffers": {n: b.detach().clone() for n, b in persistent_buffers(rt.root).items()},
+        "buffers": buffers,
         "residuals": {
             (i, kind): t.detach().clone() for i, u in enumerate(rt.units) for kind, t in u.residuals.items()
         },

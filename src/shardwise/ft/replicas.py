@@ -281,7 +281,9 @@ class Torchft:
             self._share_heal(scaler)
         if scaler is not None and self.step == 0:
             _one_scale(scaler)
-        self._kept = heal.transient(self._runtime, scaler)  # (after a heal: its state is the step's start)
+        # after a heal its state is the step's start; else the snapshot's copies of the buffers are
+        unchanged = self._snapshot["buffers"] if self._manager is not None and not told["healed"] else None
+        self._kept = heal.transient(self._runtime, scaler, unchanged)
         self._in_step, self._committed = True, None
 
     def _lead_step(self, scaler) -> dict:
