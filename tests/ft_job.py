@@ -2,7 +2,7 @@
 per group; its ranks train with shardwise.ft on the lighthouse at $TORCHFT_LIGHTHOUSE. Each
 step appends (committed step, groups in its quorum, committed or not, seconds) to
 ``out/g<group>-r<rank>-run<restart>.jsonl`` as it goes (a killed run keeps its record); at
-the end each rank writes its shards, optimizer state and what it healed to
+the end each rank writes its shards, optimizer state, committed step and what it healed to
 ``out/g<group>-<rank>.pt``.
 
 The job is given as JSON: ``group`` (its index: job ``g`` reads its own batches), ``steps``,
@@ -88,6 +88,7 @@ def save(path: Path, model, inner, scaler, ft) -> None:
             "state": {**rank_state(model, inner), **residuals(model)},
             "heal": None if heal is None else (heal.step, heal.bytes, heal.seconds),
             "scale": scaler.get_scale() if scaler else None,
+            "step": ft.step,
         },
         path,
     )

@@ -64,3 +64,44 @@ def test_checkpointing_lowers_peak_activation_memory(pools):
     act = "_MemRefType.ACT"
     assert ckpt[act] * 2 <= plain[act], (plain, ckpt)  # at least 2x fewer activation bytes
     assert ckpt["Total"] < plain["Total"]
+
+
+def hf_recomputed(selective: bool):
+    """A Hugging Face Llama that keeps its KV cache (use_cache=True, as configs ship), sharded at
+    N=2 with its decoder layers recomputed, beside the unsharded model without recomputation:
+    the largest difference after two SGD steps, how far the reference moved, and the cache
+    lengths of the recomputed model's last forward (Note [no KV cache where activations are
+    recomputed] in shardwise/recompute.py)."""
+    import copy
+    import warnings
+
+    from hf_nets import build, loss_of, rank_rows, tokens
+
+    ref = build("llama")
+    assert ref.config.use_cache
+    start = copy.deepcopy(ref.state_dict())
+    model = shardwise.shard(copy.deepcopy(ref), wrap=shardwise.wrap.auto(ref))
+    shardwise.checkpoint_activations(model, lambda m, name: type(m).__name__ == "LlamaDecoderLayer", selective=selective)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (model, ref))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            ids = tokens(step, 2 * dist.get_world_size())
+            out = model(input_ids=rank_rows(ids), labels=rank_rows(ids))
+            out.loss.backward()
+            loss_of(ref, ids).backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+    full = shardwise.full_state_dict(model, rank0_only=False)
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    moved = max((start[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    lengths = [layer.get_seq_length() for layer in out.past_key_values.layers]
+    return diff, moved, lengths, any("without its KV cache" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
+def test_hf_layers_that_keep_a_kv_cache_recompute(pools, selective):
+    for diff, moved, lengths, warned in pools(2).run(hf_recomputed, selective):
+        assert moved > 0.01 and diff <= 1e-5, (diff, moved)
+        assert lengths == [0, 0] and warned  # no layer's keys twice: none kept while training

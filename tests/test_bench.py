@@ -66,6 +66,12 @@ def test_strategy_picks_the_systems_to_compare():
         bench.parse_args(["--strategy", "full_shard", "--systems", "floor"])
 
 
+def test_a_bad_link_rate_is_named_before_any_namespace(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--nodes", "2", "--link", "1gigabit"])
+    assert "'1gigabit' is not a link rate tc takes" in capsys.readouterr().err
+
+
 def test_bench_hybrid_against_fsdp2_hsdp_on_the_same_mesh(pools, tmp_path):
     argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--rounds", "1", "--steps", "1"]
     cfg = bench.parse_args(argv + ["--quiet", "1", "--strategy", "hybrid_shard", "--shard-size", "2"])

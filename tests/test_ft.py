@@ -7,9 +7,11 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
   a replay of the same participation record without any failure (outer_groups.replay, in the
   pool of 4 ranks standing for the two jobs).
   The state includes fp16's loss scale, int8's error feedback residuals and owned matrices.
-- A group that joins late heals with hybrid sharding inside each job (bf16, int8 residuals);
-  a group of another layout cannot (CannotHeal) while the others go on; a lighthouse lost
-  mid-run ends every rank of every group with LighthouseLost within seconds.
+- Jobs of different sizes (1 rank and 2, hybrid sharding within a "node" of one rank): the
+  larger joins late and heals (its second replica through its first); both end bitwise equal and like one process trained on the
+  batches of every rank taking part; a job of other shards cannot heal (CannotHeal) while the
+  others go on; a lighthouse lost mid-run ends every rank of every group with LighthouseLost
+  within seconds.
 - An unreachable lighthouse at start is named on every rank.
 
 Skips, naming the extra, where torchft is not installed.
@@ -210,39 +212,69 @@ def last_steps(out: Path, group: int) -> list[int]:
     return [r[-1][0] for r in records(out, group).values() if r]
 
 
-def test_a_late_group_heals_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(jobs, lighthouse_process):
+def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(
+    jobs, lighthouse_process
+):
     server, jobs.lighthouse = lighthouse_process
-    hybrid = {"strategy": "hybrid_shard", "shard_size": 1, "comm": "int8", "error_feedback": True, "mixed_precision": "bf16"}
+    # hybrid sharding within a "node" of one rank: job 0 has 1 replica, job 1 two (Note [jobs
+    # of different sizes] in shardwise/ft/replicas.py)
+    hybrid = {"strategy": "hybrid_shard", "shard_size": 1}
     cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": True,
            "max_steps": 100_000, **hybrid}
-    a = jobs.start(0, **cfg)
+    a = jobs.start(0, nproc=1, **cfg)
     wait_for(jobs, lambda: min(last_steps(jobs.out, 0), default=0) >= 2, [a])
-    b = jobs.start(1, **cfg)  # joins late: heals from group 0, rank for rank
-    saved = [jobs.out / f"g{g}-{r}.pt" for g in (0, 1) for r in (0, 1)]
+    b = jobs.start(1, **cfg)  # joins late: its first replica heals from job 0, the second from it
+    saved = [jobs.out / f"g{g}-{r}.pt" for g, r in ((0, 0), (1, 0), (1, 1))]
     wait_for(jobs, lambda: all(p.exists() for p in saved), [a, b])
     time.sleep(0.5)  # (written)
+    mine = final(jobs.out, 0, 0)
     for rank in (0, 1):
-        mine, twin = final(jobs.out, 0, rank), final(jobs.out, 1, rank)
-        assert twin["heal"] is not None and twin["heal"][0] >= 2
-        assert any(k.startswith("residual.") for k in mine["state"])
-        differ = [n for n, v in model_state(mine).items() if not torch.equal(v, twin["state"][n])]
-        assert not differ, f"rank {rank}: the groups differ in {differ}"
-    # a group of one rank: not the others' layout, so it cannot heal; they go on
-    c = jobs.start(2, nproc=1, steps=4, restarts=0, timeout=5)
+        twin = final(jobs.out, 1, rank)
+        assert twin["heal"] is not None and twin["heal"][0] >= 2 and twin["heal"][1] > 0
+        differ = [n for n, v in model_state(twin).items() if not torch.equal(v, mine["state"][n])]
+        assert not differ, f"rank {rank} of job 1: differs from job 0 in {differ}"
+    # every rank's batch counts once, whichever job it is in (Note [the job's average before
+    # the groups'] in shardwise/outer.py): like one process on the batches taking part
+    diff, moved = replay_alone(records(jobs.out, 0)["g0-r0-run0"], mine)
+    assert moved > 0.05 and diff <= 1e-5, (diff, moved)
+    # a job sharding over 2 ranks: not the others' rows, so it cannot heal; they go on
+    c = jobs.start(2, **{**cfg, "shard_size": 2, "forever": False})
     assert jobs.wait(c, 120) != 0
     message = (jobs.out / "g2-error-0.txt").read_text()
-    assert message.startswith("CannotHeal") and "2 as ranks, this group 1" in message, message
+    assert message.startswith("CannotHeal") and "1 as ranks, this group 2" in message, message
     seen = max(last_steps(jobs.out, 0))
     wait_for(jobs, lambda: min(last_steps(jobs.out, 0) + last_steps(jobs.out, 1)) > seen + 3, [a, b])
     os.killpg(server.pid, signal.SIGKILL)
     lost = time.time()
     assert jobs.wait(a, 60) != 0 and jobs.wait(b, 60) != 0  # (exited once torchft's quorum timed out)
-    for group in (0, 1):
-        for rank in (0, 1):
-            ended = jobs.out / f"g{group}-error-{rank}.txt"
-            message = ended.read_text()
-            assert message.startswith("LighthouseLost") and jobs.lighthouse in message, message
-            assert ended.stat().st_mtime - lost < 8, "the ranks did not end within seconds"
+    for group, rank in ((0, 0), (1, 0), (1, 1)):
+        ended = jobs.out / f"g{group}-error-{rank}.txt"
+        message = ended.read_text()
+        assert message.startswith("LighthouseLost") and jobs.lighthouse in message, message
+        assert ended.stat().st_mtime - lost < 8, "the ranks did not end within seconds"
+
+
+def replay_alone(record: list, saved: dict) -> tuple[float, float]:
+    """Train the unsharded model in this process on the batches of every rank that took part
+    in each committed step of ``record`` (job 0's rank; job 1's 2 ranks too where both jobs
+    did) up to the step ``saved`` was taken at; its largest difference from ``saved``'s
+    parameters, and how far training moved them."""
+    from nets import loss_of, make
+    from outer_groups import group_batch
+
+    ref = make("tied")
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, groups, committed, _ in record:
+        if not committed or step >= saved["step"]:
+            continue
+        batches = [group_batch("tied", step, 0, 2, 1)] + ([group_batch("tied", step, 1, 2, 2)] if groups == 2 else [])
+        loss_of(ref, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])).backward()
+        opt.step()
+        opt.zero_grad()
+    diff = max((saved["state"][f"param.{n}"] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    moved = max((start[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return diff, moved
 
 
 def start_without_lighthouse(address: str):

@@ -5,6 +5,7 @@ of their matrix products and attention, and recompute only the cheap operations 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
@@ -68,6 +69,8 @@ def checkpoint_activations(model: nn.Module, policy: Policy, *, selective: bool 
 
         @functools.wraps(inner)
         def forward(*args, _inner=inner, **kwargs):
+            if torch.is_grad_enabled():
+                kwargs = _without_cache(kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **context, **kwargs)
 
         module.forward = forward
@@ -76,3 +79,27 @@ def checkpoint_activations(model: nn.Module, policy: Policy, *, selective: bool 
     if not chosen:
         raise ShardwiseError(f"activation checkpointing policy {policy!r} selected no module")
     return chosen
+
+
+# Note [no KV cache where activations are recomputed]: a Hugging Face layer appends its keys
+# and values to the cache object it is given, in place. Recomputation runs the layer again, so
+# the cache would get them twice (the model returns a cache twice as long, silently), and
+# selective recomputation finds the tensors it kept no longer match (torch raises deep inside
+# backward). Training needs no cache: as Hugging Face's own gradient checkpointing does, a
+# recomputed layer runs without one while gradients are recorded, with a warning.
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """``kwargs`` without a KV cache (Note [no KV cache where activations are recomputed])."""
+    if not any(kwargs.get(k) is not None for k in _CACHE_ARGS) and not kwargs.get("use_cache"):
+        return kwargs
+    warnings.warn(
+        "a layer whose activations are recomputed runs without its KV cache while training (as with "
+        "Hugging Face's gradient checkpointing); set model.config.use_cache = False to silence this",
+        stacklevel=3,
+    )
+    kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs

@@ -400,6 +400,10 @@ class ShardedUnit(Unit):
             self._replica = self._stages.pop(0)(self._reduce_out)
 
     def _outer_all_reduce(self, shard: torch.Tensor) -> C.Pending:
+        # Note [the job's average before the groups']
+        if not self._predivided and self.world * self.replicas > 1:
+            shard.div_(self.world * self.replicas)
+            self._predivided = True
         return C.outer_all_reduce(shard, self.outer, self.label, numel=max(self.grad_layout.sizes))
 
     def _replica_all_reduce(self, shard: torch.Tensor) -> C.Pending:

@@ -51,6 +51,7 @@ from ..observer.accounting import theory
 from ..policies import STRATEGIES, Comm, Sharding
 from . import counts as bench_counts
 from . import machine
+from .netns import link_rate
 from .optimizers import OPTIMIZERS, exact_visit, make_optimizers, whole_matrix
 
 SYSTEMS = (  # the default comparison: every strategy on one group of all ranks
@@ -199,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                    help='precision on the wire of shardwise systems (a system may say its own: "+int8")')
     p.add_argument("--nodes", type=int, choices=(1, 2), default=d.nodes,
                    help="2: two nodes of --nproc ranks, network namespaces joined by a shaped veth link (root)")
-    p.add_argument("--link", default=d.link, help="--nodes 2: the link's rate each way (tc units)")
+    p.add_argument("--link", type=link_rate, default=d.link, help="--nodes 2: the link's rate each way (tc units)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block of every system alike")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="muon: Muon on the blocks' matrices, AdamW on the rest (shardwise owned, FSDP2), "

@@ -13,8 +13,10 @@ Needs root and iproute2 (``ip``, ``tc``); ``unavailable()`` says why not, where 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -83,10 +85,28 @@ class Link:
         )
 
 
+_RATE = re.compile(r"\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)", re.IGNORECASE)
+
+
+def _bad_rate(rate: str) -> str | None:
+    if _RATE.fullmatch(rate):
+        return None
+    return f"{rate!r} is not a link rate tc takes: a number and a unit, e.g. 10gbit, 1gbit, 100mbit, 500kbit"
+
+
+def link_rate(text: str) -> str:
+    """``--link``'s type: ``text`` if tc takes it as a rate, else argparse's error naming the units."""
+    if problem := _bad_rate(text):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 @contextlib.contextmanager
 def two_nodes(rate: str = "1gbit", delay: str = "1ms", burst: str = "1mb") -> Iterator[Link]:
     """Two namespaces joined by a veth pair shaped to ``rate`` each way (``tc`` units: 1gbit,
     100mbit, ...) with ``delay`` of propagation where netem exists; deleted on exit."""
+    if problem := _bad_rate(rate):
+        raise ValueError(problem)
     tag = uuid.uuid4().hex[:6]  # several harnesses may run on one machine at once
     ns, dev = (f"swA{tag}", f"swB{tag}"), (f"swa{tag}", f"swb{tag}")
     addrs = ADDRESSES

@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .netns import link_rate
+
 SIZES = {  # hidden, intermediate, layers, heads (head_dim 64 but small: 32), vocab
     "small": (256, 704, 4, 8, 8192),
     "medium": (512, 1408, 8, 8, 16384),
@@ -91,7 +93,7 @@ def parse_args(argv: list[str]) -> Config:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--nodes", type=int, choices=(1, 2), default=d.nodes,
                    help="2: the engine on a second node (network namespace) across a shaped link (needs root)")
-    p.add_argument("--link", default=d.link, help="--nodes 2: the link's rate each way, in tc's units (1gbit, 100mbit)")
+    p.add_argument("--link", type=link_rate, default=d.link, help="--nodes 2: the link's rate each way, in tc's units (1gbit, 100mbit)")
     p.add_argument("--port", type=int, default=d.port, help="--nodes 2: the engine's port on node B (the link probe: port + 1)")
     return Config(**vars(p.parse_args(argv)))
 

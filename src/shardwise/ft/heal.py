@@ -22,20 +22,19 @@ import hashlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.state import ParamSlot, optimizer_names, param_slots, persistent_buffers
 from ..runtime import Runtime
 from .errors import CannotHeal
 
 
-def layout(rt: Runtime, optimizers: list[torch.optim.Optimizer], slots: list[ParamSlot]) -> dict:
-    """What this rank holds, as plain data that two groups compare: their ranks, strategy,
-    each parameter's rows here (and whether another rank owns it), the optimizers' classes and
-    parameters."""
+def layout(rt: Runtime, optimizers: list[torch.optim.Optimizer], slots: list[ParamSlot], rank: int, ranks: int) -> dict:
+    """What this rank (``rank`` of its group's ``ranks``) holds, as plain data that two groups
+    compare: their ranks, strategy, each parameter's rows here (and whether another rank owns
+    it), the optimizers' classes and parameters."""
     return {
-        "ranks": dist.get_world_size(),
-        "rank": dist.get_rank(),
+        "ranks": ranks,
+        "rank": rank,
         "strategy": rt.sharding.value,
         "params": [(s.name, s.shape, s.held, s.elsewhere, str(s.tensor.dtype)) for s in slots],
         "optimizers": [(type(o).__name__, optimizer_names(o, slots)) for o in optimizers],
@@ -50,12 +49,16 @@ def fingerprint(description: dict) -> list[float]:
     return [float(v) for p in parts for v in (p, p * p)]
 
 
-def transient(rt: Runtime, scaler) -> dict[str, Any]:
+def transient(rt: Runtime, scaler, buffers: dict | None = None) -> dict[str, Any]:
     """Copies of what forward, backward and the loss scaler change outside the optimizer's
     step (buffers, error feedback residuals, the loss scale), taken at the start of a step,
-    after any heal, so that a step that does not commit can be undone (``restore_transient``)."""
+    after any heal, so that a step that does not commit can be undone (``restore_transient``).
+    ``buffers``: copies of the buffers taken at this step's start already (the ``snapshot``'s,
+    where no heal changed them since), kept instead of copying them again."""
+    if buffers is None:
+        buffers = {n: b.detach().clone() for n, b in persistent_buffers(rt.root).items()}
     return {
-        "buffers": {n: b.detach().clone() for n, b in persistent_buffers(rt.root).items()},
+        "buffers": buffers,
         "residuals": {
             (i, kind): t.detach().clone() for i, u in enumerate(rt.units) for kind, t in u.residuals.items()
         },
@@ -94,10 +97,12 @@ def snapshot(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler, descr
     }
 
 
-def apply(rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler, state: dict[str, Any], source: str) -> None:
-    """Take a live rank's state (``snapshot`` of the same rank of another group)."""
+def apply(
+    rt: Runtime, optimizers: list[torch.optim.Optimizer], scaler, state: dict[str, Any], mine: dict, source: str
+) -> None:
+    """Take a live rank's state (``snapshot`` of the same rank of another group); ``mine`` is
+    this rank's ``layout``."""
     slots = param_slots(rt)
-    mine = layout(rt, optimizers, slots)
     if state["layout"] != mine:
         raise CannotHeal(f"cannot heal from {source}: {_difference(state['layout'], mine)}. {_FIX}")
     by_name = {s.name: s for s in slots}
@@ -148,6 +153,8 @@ def _difference(theirs: dict, mine: dict) -> str:
 
 _FIX = (
     "Replica groups train together rank for rank, so every group must shard the same model the "
-    "same way: the same number of ranks, strategy, wrap and placement, and the same optimizers "
-    "(a checkpoint moves a run between layouts: shardwise.save, then shardwise.load)"
+    "same way: the same number of ranks, strategy, wrap and placement, and the same optimizers. "
+    "Jobs of different sizes train together with hybrid sharding over the same shard size "
+    "(strategy='hybrid_shard', shard_size= the ranks of one node): each replica is a group. "
+    "A checkpoint moves a run between layouts: shardwise.save, then shardwise.load"
 )

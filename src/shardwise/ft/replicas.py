@@ -1,11 +1,24 @@
 """Replica groups on torchft: the quorum each step, the average across groups, the commit,
 and healing a group that joins from a live one, rank for rank.
 
-Each torchrun job is one replica group; every rank of it runs a torchft ``Manager`` (rank 0's
-talks to the lighthouse for the group). Inside the job shardwise shards as usual; across jobs,
-rank r of every group averages its reduced gradient shards with rank r of the others through
-the manager's process group (``Manager.allreduce``: errors are reported to the manager, not
-raised, and a step that met one does not commit).
+Each torchrun job is one replica group. Its first replica's ranks (all of them, unless it
+shards hybrid) each run a torchft ``Manager`` (rank 0's talks to the lighthouse for the group).
+Inside the job shardwise shards as usual; across groups, shard index r of every group averages
+its reduced gradient shards with shard index r of the others through the manager's process
+group (``Manager.allreduce``: errors are reported to the manager, not raised, and a step that
+met one does not commit).
+
+Note [jobs of different sizes]: torchft joins rank r of every replica group in one process
+group, so its groups must have as many ranks as each other, and shardwise's must hold the same
+rows rank for rank. A job with hybrid sharding therefore shows torchft one replica, its first:
+those ranks run the managers, and the job's other replicas follow them (each learns the
+quorum, the heal, the average and the commit from the rank of its shard index in the first
+replica, over the job's own replicate group). A job of two nodes and a job of one, both
+sharding within a node, train together and heal each other rank for rank with nothing to
+reshard. Each job's average counts by its ranks (``weight``: like one process on the batches
+of every rank taking part). Jobs whose shard groups differ (full_shard over 4 ranks against 2)
+cannot average a gradient row for row at all, so a reshard at the heal would not let them
+train together: ``CannotHeal`` names the difference and the fix (hybrid sharding within a node).
 
 Note [quorum at the start of the step]: the quorum is synchronous (``use_async_quorum=False``):
 ``zero_grad`` waits for it, and a group that is behind takes a live group's state right there,
@@ -80,6 +93,8 @@ class Torchft:
     exits only once torchft's quorum thread gives up, after this long.
     hostname: the address other groups reach this node at (default: this node's address on
     the route to the lighthouse).
+    Jobs of different sizes train together where they shard within the same number of
+    ranks (hybrid sharding within a node; Note [jobs of different sizes]).
     max_failed_steps: steps in a row that may fail to commit before ``FaultToleranceError``.
     """
 
@@ -98,9 +113,9 @@ class Torchft:
             self.lighthouse = lighthouse_url(lighthouse)
         except ValueError as e:
             raise FaultToleranceError(f"Torchft(lighthouse={lighthouse!r}): {e}") from None
-        if not replica_id or ":" in replica_id:
+        if not replica_id or ":" in replica_id or "/" in replica_id:
             raise FaultToleranceError(
-                f"Torchft(replica_id={replica_id!r}): name the group (e.g. 'node3'), without ':'"
+                f"Torchft(replica_id={replica_id!r}): name the group (e.g. 'node3'), without ':' or '/'"
             )
         self.replica_id = replica_id
         self.min_replicas, self.timeout, self.quorum_timeout = min_replicas, timeout, quorum_timeout
@@ -115,6 +130,10 @@ class Torchft:
         self._in_step = False
         self._committed: bool | None = None  # the last step's vote (None: the loop skipped it)
         self._failed = 0  # steps in a row that did not commit
+        self._place: _Place | None = None  # where this rank stands in torchft's view of the job
+        # what the manager (this rank's, or its first replica's) said last: step, groups, weight
+        self._told: dict = {"step": 0, "participants": 0, "state": {"step": 0, "batches_committed": 0}, "weight": 1.0}
+        self._healed: dict | None = None  # the state this rank healed to, for the job's other replicas
         self._layout: dict | None = None  # what this rank holds (heal.layout), once the optimizers are known
         self._fingerprint: torch.Tensor | None = None
 
@@ -122,20 +141,22 @@ class Torchft:
     @property
     def step(self) -> int:
         """Committed steps so far (the same on every live group once ``zero_grad`` returned)."""
-        return self._manager.current_step() if self._manager is not None else 0
+        return self._manager.current_step() if self._manager is not None else self._told["step"]
 
     @property
     def participants(self) -> int:
         """Replica groups in the current quorum."""
-        return self._manager.num_participants() if self._manager is not None else 0
+        return self._manager.num_participants() if self._manager is not None else self._told["participants"]
 
     def state_dict(self) -> dict[str, int]:
         """The committed step (and torchft's count of batches): save it with a checkpoint."""
-        return self._manager.state_dict()
+        return self._manager.state_dict() if self._manager is not None else dict(self._told["state"])
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume the step count of a checkpoint (``state_dict``) before the first step."""
-        self._manager.load_state_dict(state)
+        if self._manager is not None:
+            self._manager.load_state_dict(state)
+        self._told = {**self._told, "step": state["step"], "state": dict(state)}
 
     def optimizer(self, *optimizers: torch.optim.Optimizer) -> FaultTolerantOptimizer:
         """Wrap the model's optimizers (e.g. Muon and AdamW): ``zero_grad`` joins the quorum,
@@ -169,16 +190,23 @@ class Torchft:
                 "a backward reduced gradients outside a fault-tolerant step: call opt.zero_grad() "
                 "(opt = ft.optimizer(...)) at the start of every step; it joins the quorum"
             )
-        return self._manager.allreduce(tensor)
+        work = None
+        if self._manager is not None:
+            if self._told["weight"] != 1.0:  # (Note [jobs of different sizes])
+                tensor.mul_(self._told["weight"])
+            work = self._manager.allreduce(tensor)
+        return self._place.share(work, tensor)
 
     def size(self) -> int:
-        return self._manager.num_participants()
+        return self.participants
 
     # --- the manager
     def _start_manager(self) -> None:
         """Start this rank's manager (collective over the job): rank 0 checks the lighthouse
-        and starts the group's store and manager server first, then the others join them."""
+        and starts the group's store and manager server first, then the other ranks of the
+        job's first replica join them (Note [jobs of different sizes])."""
         rank, world = dist.get_rank(), dist.get_world_size()
+        self._place = _Place.of(self._runtime.mesh)
         told = [None]
         if rank == 0:
             told[0] = self._start_first()
@@ -187,7 +215,7 @@ class Torchft:
         problem, store_host, store_port = told[0]
         if problem:
             raise LighthouseUnreachable(problem if rank == 0 else f"rank 0 reported: {problem}")
-        if rank != 0:
+        if rank != 0 and self._place.leads:
             self._manager = self._make_manager(store_host, store_port)
 
     def _start_first(self) -> tuple[str, str, int]:
@@ -224,8 +252,8 @@ class Torchft:
             timeout=seconds,
             quorum_timeout=timedelta(seconds=self.quorum_timeout),
             connect_timeout=timedelta(seconds=min(10.0, self.timeout)),
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
+            rank=self._place.rank,
+            world_size=self._place.size,
             store_addr=store_host,
             store_port=store_port,
             lighthouse_addr=self.lighthouse,
@@ -243,20 +271,52 @@ class Torchft:
         if self._kept is not None and self._committed is False:  # the step before failed
             heal.restore_transient(self._runtime, scaler, self._kept)
         if self._layout is None:
-            self._layout = heal.layout(self._runtime, self._optimizers, param_slots(self._runtime))
-        self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler, self._layout)
-        self._transport.failed = None
-        self._quorum()
-        if self._transport.failed is not None:
-            raise CannotHeal(
-                f"rank {dist.get_rank()} of group '{self.replica_id}' is behind and could not take "
-                f"a live group's state: {self._transport.failed}"
-            ) from self._transport.failed
+            slots = param_slots(self._runtime)
+            self._layout = heal.layout(self._runtime, self._optimizers, slots, self._place.rank, self._place.size)
+        told = self._place.tell(self._lead_step(scaler) if self._manager is not None else None)
+        if told["error"] is not None:
+            raise told["error"]
+        self._told = told
+        if told["healed"]:
+            self._share_heal(scaler)
         if scaler is not None and self.step == 0:
             _one_scale(scaler)
-        self._kept = heal.transient(self._runtime, scaler)  # (after a heal: its state is the step's start)
+        # after a heal its state is the step's start; else the snapshot's copies of the buffers are
+        unchanged = self._snapshot["buffers"] if self._manager is not None and not told["healed"] else None
+        self._kept = heal.transient(self._runtime, scaler, unchanged)
         self._in_step, self._committed = True, None
-        self._check_layout()
+
+    def _lead_step(self, scaler) -> dict:
+        """The quorum, a heal if this group is behind, and the layout check, on a rank that
+        runs a manager: what the job's other replicas are told (Note [jobs of different sizes])."""
+        healed = self.last_heal
+        try:
+            self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler, self._layout)
+            self._transport.failed = None
+            self._quorum()
+            if self._transport.failed is not None:
+                raise CannotHeal(
+                    f"rank {self._place.rank} of group '{self.replica_id}' is behind and could not take "
+                    f"a live group's state: {self._transport.failed}"
+                ) from self._transport.failed
+            weight = self._check_layout()
+        except FaultToleranceError as e:
+            return {"error": e}
+        m = self._manager
+        return {
+            "error": None, "step": m.current_step(), "participants": m.num_participants(),
+            "state": m.state_dict(), "weight": weight, "healed": self.last_heal is not healed,
+        }
+
+    def _share_heal(self, scaler) -> None:
+        """The job's other replicas take the state its first replica healed to, rank for rank."""
+        if self._place.replicas is None:
+            return
+        t0 = time.perf_counter()
+        state, self._healed = self._place.tell(self._healed), None
+        if self._manager is None:
+            heal.apply(self._runtime, self._optimizers, scaler, state, self._layout, "the job's first replica")
+            self.last_heal = Heal(self.step, _tensor_bytes(state), time.perf_counter() - t0)
 
     def _quorum(self) -> None:
         """``Manager.start_quorum`` on a thread of its own, while this one watches the
@@ -297,32 +357,43 @@ class Torchft:
             "Restart it, then the groups (a shardwise checkpoint resumes them: --resume)"
         )
 
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> float:
         """Every group must hold the same rows rank for rank: averaged over the groups, this
-        rank's layout fingerprint stays itself only where all agree (one small all-reduce)."""
+        rank's layout fingerprint stays itself only where all agree (one small all-reduce, which
+        also averages the jobs' sizes). Returns this job's weight in the groups' average: its
+        ranks over the mean of the groups' (Note [jobs of different sizes])."""
         if self._fingerprint is None:
-            values = heal.fingerprint(self._layout)
+            values = [*heal.fingerprint(self._layout), float(dist.get_world_size())]
             self._fingerprint = torch.tensor(values, dtype=torch.float64, device=groups.device())
         seen = self._fingerprint.clone()
         self._manager.allreduce(seen).wait()
-        if self._manager.errored() is None and not torch.equal(seen, self._fingerprint):
+        if self._manager.errored() is not None:
+            return 1.0  # (the step will not commit)
+        if not torch.equal(seen[:-1], self._fingerprint[:-1]):
             raise CannotHeal(
                 f"group '{self.replica_id}' does not shard the model as the other groups in the "
-                f"quorum do (rank {dist.get_rank()} of {dist.get_world_size()}, strategy "
+                f"quorum do (rank {self._place.rank} of {self._place.size}, strategy "
                 f"'{self._runtime.sharding.value}'). {heal._FIX}"
             )
+        return self._fingerprint[-1].item() / seen[-1].item()
 
     def commit(self) -> bool:
         """Whether this step commits on this group (torchft's vote over its ranks)."""
         if not self._in_step:
             raise ShardwiseError("opt.step() without opt.zero_grad() first: zero_grad joins the step's quorum")
         self._in_step = False
-        self._committed = self._manager.should_commit()
+        vote = None
+        if self._manager is not None:
+            vote = {"committed": self._manager.should_commit(), "step": self._manager.current_step(),
+                    "state": self._manager.state_dict()}
+        vote = self._place.tell(vote)
+        self._told = {**self._told, "step": vote["step"], "state": vote["state"]}
+        self._committed = vote["committed"]
         self._failed = 0 if self._committed else self._failed + 1
         if self._failed > self.max_failed_steps:
             raise FaultToleranceError(
                 f"group '{self.replica_id}' failed to commit {self._failed} steps in a row: "
-                f"{self._manager.errored() or 'too few groups in the quorum'} "
+                f"{(self._manager and self._manager.errored()) or 'too few groups in the quorum'} "
                 f"(min_replicas={self.min_replicas})"
             )
         return self._committed
@@ -334,7 +405,9 @@ class Torchft:
     def _take(self, state: dict) -> None:
         t0 = time.perf_counter()
         received = self._transport.received
-        heal.apply(self._runtime, self._optimizers, self._runtime.grad_scaler, state, received.source)
+        heal.apply(self._runtime, self._optimizers, self._runtime.grad_scaler, state, self._layout, received.source)
+        if self._place.replicas is not None:  # the job's other replicas take it next (_share_heal)
+            self._healed = state
         self.last_heal = Heal(self._manager.current_step(), received.bytes, received.seconds + time.perf_counter() - t0)
         log.info("rank %d healed: %s", dist.get_rank(), self.last_heal)
 
@@ -388,6 +461,52 @@ class FaultTolerantOptimizer:
 
     def __len__(self) -> int:
         return len(self.optimizers)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where this rank stands in torchft's view of its job (Note [jobs of different sizes]):
+    its rank in its group (its shard index) of ``size``, whether it runs a manager (it is in
+    the job's first replica), and with hybrid sharding the job's ranks of its shard index,
+    whose first (the first replica's) tells the others what its manager decided."""
+
+    rank: int
+    size: int
+    leads: bool
+    replicas: dist.ProcessGroup | None
+
+    @staticmethod
+    def of(mesh: groups.Mesh) -> _Place:
+        if mesh.replicate is None:
+            return _Place(dist.get_rank(), dist.get_world_size(), True, None)
+        shard, replicas = mesh.shard, mesh.replicate
+        return _Place(dist.get_rank(shard), dist.get_world_size(shard), dist.get_rank(replicas) == 0, replicas)
+
+    def tell(self, obj):
+        """The first replica's ``obj`` on every replica of this shard index (``obj`` itself
+        without hybrid sharding)."""
+        if self.replicas is None:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.replicas, 0)
+        C.blocking("broadcast", "torchft outcome", dist.broadcast_object_list, box, src=src, group=groups.host_group(self.replicas))
+        return box[0]
+
+    def share(self, work, tensor: torch.Tensor):
+        """The groups' average (``work``, on the first replica) of ``tensor``, on every replica
+        of this shard index once waited for."""
+        return work if self.replicas is None else _Shared(work, tensor, self.replicas)
+
+
+class _Shared:
+    def __init__(self, work, tensor: torch.Tensor, replicas: dist.ProcessGroup):
+        self.work, self.tensor, self.replicas = work, tensor, replicas
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        dist.broadcast(self.tensor, dist.get_global_rank(self.replicas, 0), group=self.replicas)
+        return True
 
 
 @dataclass(frozen=True)
