@@ -212,18 +212,17 @@ def last_steps(out: Path, group: int) -> list[int]:
     return [r[-1][0] for r in records(out, group).values() if r]
 
 
-def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(
-    jobs, lighthouse_process
-):
-    server, jobs.lighthouse = lighthouse_process
-    # hybrid sharding within a "node" of one rank: job 0 has 1 replica, job 1 two (Note [jobs
-    # of different sizes] in shardwise/ft/replicas.py)
-    hybrid = {"strategy": "hybrid_shard", "shard_size": 1}
+def different_sizes(jobs: Jobs, strategy: dict) -> dict:
+    """A job of 1 rank trains alone; a job of 2 ranks with ``strategy`` (each rank a replica)
+    joins late: its first replica heals through torchft and its second from the first (Note
+    [jobs of different sizes] in shardwise/ft/replicas.py). All three ranks end bitwise equal
+    and, every rank's batch counting once (Note [the job's average before the groups'] in
+    shardwise/outer.py), like one process on the batches taking part. Returns the jobs' config."""
     cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": True,
-           "max_steps": 100_000, **hybrid}
+           "max_steps": 100_000, **strategy}
     a = jobs.start(0, nproc=1, **cfg)
     wait_for(jobs, lambda: min(last_steps(jobs.out, 0), default=0) >= 2, [a])
-    b = jobs.start(1, **cfg)  # joins late: its first replica heals from job 0, the second from it
+    b = jobs.start(1, **cfg)
     saved = [jobs.out / f"g{g}-{r}.pt" for g, r in ((0, 0), (1, 0), (1, 1))]
     wait_for(jobs, lambda: all(p.exists() for p in saved), [a, b])
     time.sleep(0.5)  # (written)
@@ -233,10 +232,23 @@ def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_can
         assert twin["heal"] is not None and twin["heal"][0] >= 2 and twin["heal"][1] > 0
         differ = [n for n, v in model_state(twin).items() if not torch.equal(v, mine["state"][n])]
         assert not differ, f"rank {rank} of job 1: differs from job 0 in {differ}"
-    # every rank's batch counts once, whichever job it is in (Note [the job's average before
-    # the groups'] in shardwise/outer.py): like one process on the batches taking part
     diff, moved = replay_alone(records(jobs.out, 0)["g0-r0-run0"], mine)
     assert moved > 0.05 and diff <= 1e-5, (diff, moved)
+    return cfg
+
+
+def test_no_shard_jobs_of_different_sizes_heal_and_train_like_one_process(jobs, lighthouse):
+    jobs.lighthouse = lighthouse
+    different_sizes(jobs, {"strategy": "no_shard"})
+
+
+def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(
+    jobs, lighthouse_process
+):
+    server, jobs.lighthouse = lighthouse_process
+    # hybrid sharding within a "node" of one rank
+    cfg = different_sizes(jobs, {"strategy": "hybrid_shard", "shard_size": 1})
+    a, b = jobs.procs
     # a job sharding over 2 ranks: not the others' rows, so it cannot heal; they go on
     c = jobs.start(2, **{**cfg, "shard_size": 2, "forever": False})
     assert jobs.wait(c, 120) != 0

@@ -650,6 +650,8 @@ class ReplicatedUnit(Unit):
             self._reduce.wait()
             self._reduce = None
         if self.outer is not None and self._bucket is not None and self._outer_reduce is None:
+            if self.world > 1:  # Note [the job's average before the groups']
+                self._bucket.div_(self.world)
             self._outer_reduce = C.outer_all_reduce(self._bucket, self.outer, self.label)
 
     def finish_reduce(self) -> None:
@@ -659,7 +661,7 @@ class ReplicatedUnit(Unit):
         if self._outer_reduce is not None:
             self._outer_reduce.wait()
             self._outer_reduce = None
-        if self.world > 1:
+        elif self.world > 1:
             self._bucket.div_(self.world)
         if self._flat_grad is not None:  # the gradients are views of the bucket already
             self._reduce = self._bucket = None

@@ -155,6 +155,6 @@ _FIX = (
     "Replica groups train together rank for rank, so every group must shard the same model the "
     "same way: the same number of ranks, strategy, wrap and placement, and the same optimizers. "
     "Jobs of different sizes train together with hybrid sharding over the same shard size "
-    "(strategy='hybrid_shard', shard_size= the ranks of one node): each replica is a group. "
+    "(strategy='hybrid_shard', shard_size= the ranks of one node) or with no_shard. "
     "A checkpoint moves a run between layouts: shardwise.save, then shardwise.load"
 )

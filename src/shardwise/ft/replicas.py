@@ -2,7 +2,7 @@
 and healing a group that joins from a live one, rank for rank.
 
 Each torchrun job is one replica group. Its first replica's ranks (all of them, unless it
-shards hybrid) each run a torchft ``Manager`` (rank 0's talks to the lighthouse for the group).
+shards hybrid; rank 0 alone with no_shard) each run a torchft ``Manager`` (rank 0's talks to the lighthouse for the group).
 Inside the job shardwise shards as usual; across groups, shard index r of every group averages
 its reduced gradient shards with shard index r of the others through the manager's process
 group (``Manager.allreduce``: errors are reported to the manager, not raised, and a step that
@@ -10,8 +10,8 @@ met one does not commit).
 
 Note [jobs of different sizes]: torchft joins rank r of every replica group in one process
 group, so its groups must have as many ranks as each other, and shardwise's must hold the same
-rows rank for rank. A job with hybrid sharding therefore shows torchft one replica, its first:
-those ranks run the managers, and the job's other replicas follow them (each learns the
+rows rank for rank. A job with hybrid sharding therefore shows torchft one replica, its first
+(with no_shard, rank 0: every rank is a replica): those ranks run the managers, and the job's other replicas follow them (each learns the
 quorum, the heal, the average and the commit from the rank of its shard index in the first
 replica, over the job's own replicate group). A job of two nodes and a job of one, both
 sharding within a node, train together and heal each other rank for rank with nothing to
@@ -206,7 +206,7 @@ class Torchft:
         and starts the group's store and manager server first, then the other ranks of the
         job's first replica join them (Note [jobs of different sizes])."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        self._place = _Place.of(self._runtime.mesh)
+        self._place = _Place.of(self._runtime.mesh, self._runtime.sharding.shard)
         told = [None]
         if rank == 0:
             told[0] = self._start_first()
@@ -476,7 +476,11 @@ class _Place:
     replicas: dist.ProcessGroup | None
 
     @staticmethod
-    def of(mesh: groups.Mesh) -> _Place:
+    def of(mesh: groups.Mesh, sharded: bool) -> _Place:
+        if not sharded:  # no_shard: every rank a replica, rank 0's the first
+            whole = mesh.shard if mesh.shard is not None else dist.group.WORLD
+            alone = dist.get_world_size(whole) == 1
+            return _Place(0, 1, dist.get_rank(whole) == 0, None if alone else whole)
         if mesh.replicate is None:
             return _Place(dist.get_rank(), dist.get_world_size(), True, None)
         shard, replicas = mesh.shard, mesh.replicate
