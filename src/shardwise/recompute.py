@@ -87,7 +87,7 @@ def checkpoint_activations(model: nn.Module, policy: Policy, *, selective: bool 
 # selective recomputation finds the tensors it kept no longer match (torch raises deep inside
 # backward). Training needs no cache: as Hugging Face's own gradient checkpointing does, a
 # recomputed layer runs without one while gradients are recorded, with a warning.
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # (names across transformers releases)
 
 
 def _without_cache(kwargs: dict) -> dict:
