@@ -21,8 +21,8 @@ def test_two_node_flags():
         vllm_push.parse_args(["--nodes", "3"])
     with pytest.raises(SystemExit):  # argparse names it: "... not a link rate tc takes ..."
         vllm_push.parse_args(["--nodes", "2", "--link", "1gigabit"])
-    with pytest.raises(ValueError, match=r"not a link rate tc takes.*100mbit"):
-        netns.two_nodes(rate="fast").__enter__()
+    with pytest.raises(ValueError, match=r"not a link rate tc takes.*100mbit"), netns.two_nodes(rate="fast"):
+        pass
     assert netns.link_rate("2.5Gbit") == "2.5Gbit"
     assert vllm_link.engine_url(18650) == f"http://{netns.ADDRESSES[1]}:18650"
     cmd = vllm_link.serve_command("/m", 18650)

@@ -212,13 +212,14 @@ def last_steps(out: Path, group: int) -> list[int]:
     return [r[-1][0] for r in records(out, group).values() if r]
 
 
-def different_sizes(jobs: Jobs, strategy: dict) -> dict:
+def different_sizes(jobs: Jobs, strategy: dict, forever: bool = True) -> dict:
     """A job of 1 rank trains alone; a job of 2 ranks with ``strategy`` (each rank a replica)
     joins late: its first replica heals through torchft and its second from the first (Note
     [jobs of different sizes] in shardwise/ft/replicas.py). All three ranks end bitwise equal
     and, every rank's batch counting once (Note [the job's average before the groups'] in
-    shardwise/outer.py), like one process on the batches taking part. Returns the jobs' config."""
-    cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": True,
+    shardwise/outer.py), like one process on the batches taking part. ``forever``: the jobs go on
+    after saving (else they stop and exit). Returns the jobs' config."""
+    cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": forever,
            "max_steps": 100_000, **strategy}
     a = jobs.start(0, nproc=1, **cfg)
     wait_for(jobs, lambda: min(last_steps(jobs.out, 0), default=0) >= 2, [a])
@@ -239,7 +240,8 @@ def different_sizes(jobs: Jobs, strategy: dict) -> dict:
 
 def test_no_shard_jobs_of_different_sizes_heal_and_train_like_one_process(jobs, lighthouse):
     jobs.lighthouse = lighthouse
-    different_sizes(jobs, {"strategy": "no_shard"})
+    different_sizes(jobs, {"strategy": "no_shard"}, forever=False)
+    assert [jobs.wait(p, 60) for p in jobs.procs] == [0, 0], jobs.logs()  # (each rank exits cleanly)
 
 
 def test_jobs_of_different_sizes_heal_and_train_like_one_process_a_wrong_one_cannot_and_a_lost_lighthouse_ends_every_rank(

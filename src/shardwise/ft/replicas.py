@@ -131,8 +131,8 @@ class Torchft:
         self._committed: bool | None = None  # the last step's vote (None: the loop skipped it)
         self._failed = 0  # steps in a row that did not commit
         self._place: _Place | None = None  # where this rank stands in torchft's view of the job
-        # what the manager (this rank's, or its first replica's) said last: step, groups, weight
-        self._told: dict = {"step": 0, "participants": 0, "state": {"step": 0, "batches_committed": 0}, "weight": 1.0}
+        # what the manager (this rank's, or its first replica's) said last: its state (the step), groups, weight
+        self._told: dict = {"participants": 0, "state": {"step": 0, "batches_committed": 0}, "weight": 1.0}
         self._healed: dict | None = None  # the state this rank healed to, for the job's other replicas
         self._layout: dict | None = None  # what this rank holds (heal.layout), once the optimizers are known
         self._fingerprint: torch.Tensor | None = None
@@ -141,7 +141,7 @@ class Torchft:
     @property
     def step(self) -> int:
         """Committed steps so far (the same on every live group once ``zero_grad`` returned)."""
-        return self._manager.current_step() if self._manager is not None else self._told["step"]
+        return self._manager.current_step() if self._manager is not None else self._told["state"]["step"]
 
     @property
     def participants(self) -> int:
@@ -156,7 +156,7 @@ class Torchft:
         """Resume the step count of a checkpoint (``state_dict``) before the first step."""
         if self._manager is not None:
             self._manager.load_state_dict(state)
-        self._told = {**self._told, "step": state["step"], "state": dict(state)}
+        self._told = {**self._told, "state": dict(state)}
 
     def optimizer(self, *optimizers: torch.optim.Optimizer) -> FaultTolerantOptimizer:
         """Wrap the model's optimizers (e.g. Muon and AdamW): ``zero_grad`` joins the quorum,
@@ -304,7 +304,7 @@ class Torchft:
             return {"error": e}
         m = self._manager
         return {
-            "error": None, "step": m.current_step(), "participants": m.num_participants(),
+            "error": None, "participants": m.num_participants(),
             "state": m.state_dict(), "weight": weight, "healed": self.last_heal is not healed,
         }
 
@@ -384,10 +384,9 @@ class Torchft:
         self._in_step = False
         vote = None
         if self._manager is not None:
-            vote = {"committed": self._manager.should_commit(), "step": self._manager.current_step(),
-                    "state": self._manager.state_dict()}
+            vote = {"committed": self._manager.should_commit(), "state": self._manager.state_dict()}
         vote = self._place.tell(vote)
-        self._told = {**self._told, "step": vote["step"], "state": vote["state"]}
+        self._told = {**self._told, "state": vote["state"]}
         self._committed = vote["committed"]
         self._failed = 0 if self._committed else self._failed + 1
         if self._failed > self.max_failed_steps:
@@ -425,7 +424,7 @@ def _one_scale(scaler) -> None:
     """Every rank of the job takes rank 0's loss scaler state (Note [the first quorum heals
     rank by rank])."""
     state = [scaler.state_dict()]
-    dist.broadcast_object_list(state, src=0)
+    C.blocking("broadcast", "loss scale", dist.broadcast_object_list, state, src=0, group=groups.host_group(None))
     scaler.load_state_dict(state[0])
 
 
@@ -509,7 +508,7 @@ class _Shared:
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        dist.broadcast(self.tensor, dist.get_global_rank(self.replicas, 0), group=self.replicas)
+        C.broadcast(self.tensor, 0, self.replicas, "torchft average").wait()
         return True
 
 
