@@ -21,7 +21,7 @@ import shardwise
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None, reason="needs the [explore] extra (aiohttp)"),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs the [explore] extra (playwright)"),
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright (the [test] extra)"),
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing: apt-get install -y chromium"),
 ]
 BROWSER_ARGS = [
