@@ -117,9 +117,10 @@ class Explorer:
 
     async def reset(self, settings: Settings) -> None:
         """A new seed and fresh model state on every rank: the same processes when they are
-        alive, between stages and as many as asked for; otherwise a new job."""
+        alive, between stages and as many as asked for; otherwise (a rank dead, a stage under
+        way, another number of ranks) a new job."""
         same = (
-            self.job is not None and self.status != "dead" and not self.in_stage and not self.paused
+            self.job is not None and self.status != "dead" and not self.in_stage
             and settings.ranks == self.settings.ranks
         )
         self.settings, self.seed = settings, random.randrange(1, 1_000_000)
@@ -133,6 +134,7 @@ class Explorer:
             await self.job.start()
         for r, pid in zip(self.ranks, self.job.pids):
             r["pid"] = pid
+        self.job.send({"cmd": "resume"})  # (paused between stages: the new run starts unpaused)
         self.job.send({"cmd": "speed", "delay": self.delay_ms / 1000})
         self.job.send({"cmd": "reset", "seed": self.seed, "settings": settings.as_dict()})
 
@@ -166,6 +168,8 @@ class Explorer:
         self._send(dict(message, event=r["event"]))
 
     def _on_ready(self, rank: int, message: dict) -> None:
+        if message["seed"] != self.seed:  # a Reset pressed again before this one was ready
+            return
         r = self.ranks[rank]
         r["ready"], r["cells"] = True, message["cells"]
         self.units = message["units"]

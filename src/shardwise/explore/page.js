@@ -4,6 +4,7 @@
 const $ = (id) => document.getElementById(id);
 const COLOURS = [[66, 133, 244], [234, 67, 53], [52, 168, 83], [251, 188, 5]];
 let state = null;
+let formSeed = null; // the run whose settings the form shows: a user's edits survive its updates
 const ws = new WebSocket(`ws://${location.host}/ws`);
 
 function send(cmd) { ws.send(JSON.stringify(cmd)); }
@@ -55,9 +56,12 @@ function draw() {
   $("nranks").textContent = s.ranks.length;
   $("speed").value = s.delay_ms;
   $("delay").textContent = s.delay_ms ? `${s.delay_ms} ms after each event` : "no delay";
-  for (const [k, v] of Object.entries(s.settings)) {
-    const el = $("set-" + k);
-    if (el.type === "checkbox") el.checked = v; else el.value = v;
+  if (s.seed !== formSeed) {
+    formSeed = s.seed;
+    for (const [k, v] of Object.entries(s.settings)) {
+      const el = $("set-" + k);
+      if (el.type === "checkbox") el.checked = v; else el.value = v;
+    }
   }
   drawGrid();
   drawFigures();
