@@ -164,7 +164,7 @@ class Explorer:
         if "optimizer" in message:
             r["optimizer"] = message["optimizer"]
         unit = self.units[message["unit"]] if 0 <= message["unit"] < len(self.units) else ""
-        r["event"] = f"step {message['step']}: {message['name']} {unit}".strip()
+        r["event"] = f"stage {message['stage']} step {message['step']}: {message['name']} {unit}".strip()
         self._send(dict(message, event=r["event"]))
 
     def _on_ready(self, rank: int, message: dict) -> None:
