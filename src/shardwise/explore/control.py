@@ -205,7 +205,8 @@ class Explorer:
     def _on_exit(self, rank: int, code: int, error: str) -> None:
         """A rank ended by itself: the run is dead; its peers would wait for it forever."""
         r = self.ranks[rank]
-        r["alive"], r["error"] = False, r["error"] or error
+        r["alive"] = False
+        r["error"] = f"exited with code {code}" + (f": {r['error'] or error}" if r["error"] or error else "")
         if self.status != "dead":
             self.status = "dead"
             self.training = self.in_stage = False

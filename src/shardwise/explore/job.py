@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 ERROR_LINES = 12  # the tail of a rank's stderr kept to show why it died
 
-# (rank, message) for each line a rank writes; (rank, exit code, its error) when one exits
+# (rank, message) for each line a rank writes; (rank, exit code, what it raised or the tail of
+# its stderr) when one exits
 OnMessage = Callable[[int, dict], None]
 OnExit = Callable[[int, int, str], None]
 
@@ -72,7 +73,7 @@ class Job:
         code = await proc.wait()
         await reading
         if not self.stopping:
-            self.on_exit(rank, code, error or "\n".join(tail) or f"exited with code {code}")
+            self.on_exit(rank, code, error or "\n".join(tail))
 
     def send(self, command: dict) -> None:
         line = (json.dumps(command) + "\n").encode()
