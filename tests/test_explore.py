@@ -184,6 +184,8 @@ def test_bad_settings_show_a_message(server, browser):
     page.evaluate("send({cmd: 'speed', delay_ms: -5})")
     page.wait_for_function("document.getElementById('message').textContent.startsWith('speed')")
     assert "from 0 to 2000, got -5" in text(page, "#message")
+    page.click("#step")  # the run before is complete
+    page.wait_for_function("document.getElementById('message').textContent.startsWith('the run is complete')")
     assert (text(page, "#counter"), text(page, "#seed")) == before  # the run is untouched
     page.close()
 

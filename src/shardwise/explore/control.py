@@ -73,14 +73,12 @@ class Explorer:
             except (TypeError, ValueError) as exc:
                 return f"settings not applied: {exc}"
             await self.reset(settings)
-        elif name == "train":
-            if self.stage < STAGES and self._usable():
-                self.training = True
-                await self._go()
-        elif name == "step":
-            if self.stage < STAGES and self._usable():
-                self.training = False
-                await self._go()
+        elif name in ("train", "step"):
+            problem = self._cannot_run()
+            if problem:
+                return problem
+            self.training = name == "train"
+            await self._go()
         elif name == "pause":
             if self.job is not None and not self.paused:
                 self.paused, self.training = True, False
@@ -98,8 +96,15 @@ class Explorer:
         await self._publish()
         return None
 
-    def _usable(self) -> bool:
-        return self.job is not None and self.status not in ("starting", "dead")
+    def _cannot_run(self) -> str | None:
+        """Why Train or Step cannot run a stage now, if they cannot."""
+        if self.job is None or self.status == "dead":
+            return "a rank is dead: Reset starts a new job"
+        if self.status == "starting":
+            return "the ranks are starting: Train and Step work once the status reads ready"
+        if self.stage >= STAGES:
+            return f"the run is complete ({STAGES} / {STAGES}): Reset starts a new one"
+        return None
 
     async def _go(self) -> None:
         """Resume a paused run (it finishes the stage it is in), or start the next stage."""
