@@ -23,6 +23,9 @@ Broadcast = Callable[[dict], Awaitable[None]]
 
 
 class Explorer:
+    """The run behind the pages: its settings, its job of rank processes, and what the ranks
+    have reported; ``state()`` is what a page draws."""
+
     def __init__(self, settings: Settings, broadcast: Broadcast):
         self.broadcast = broadcast
         self.settings = settings
@@ -44,7 +47,6 @@ class Explorer:
              "event": "", "measured": None} for r in range(n)
         ]
         self.loss: list[float] = []
-        self.accuracy: list[float] = []
         self.points: list = []
         self.grid: dict[str, Any] | None = None
         self.plan: dict[str, int] | None = None
@@ -56,7 +58,7 @@ class Explorer:
             "type": "state", "status": self.status, "seed": self.seed, "settings": self.settings.as_dict(),
             "stage": self.stage, "stages": STAGES, "steps_per_stage": STEPS_PER_STAGE, "delay_ms": self.delay_ms,
             "paused": self.paused, "training": self.training, "units": self.units, "ranks": self.ranks,
-            "loss": self.loss, "accuracy": self.accuracy, "points": self.points, "grid": self.grid,
+            "loss": self.loss, "points": self.points, "grid": self.grid,
             "plan": self.plan,
         }
 
@@ -180,7 +182,6 @@ class Explorer:
         self.units = message["units"]
         if rank == 0:
             self.points, self.grid, self.plan = message["points"], message["grid"], message["plan"]
-            self.accuracy = [message["grid"]["accuracy"]]
         if all(x["ready"] for x in self.ranks):
             self.status = "ready"
             self._send(self.state())
@@ -196,7 +197,6 @@ class Explorer:
         first = self._stage_reports[0]
         self.stage = first["stage"]
         self.loss += first["loss"]
-        self.accuracy.append(first["accuracy"])
         self.grid = dict(self.grid or {}, classes=first["classes"], confidence=first["confidence"], accuracy=first["accuracy"])
         self.in_stage = False
         if self.stage >= STAGES:

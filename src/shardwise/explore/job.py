@@ -69,7 +69,8 @@ class Job:
             message = json.loads(line)
             if message["type"] == "error":
                 error = message["error"]
-            self.on_message(rank, message)
+            if not self.stopping:  # (a job being stopped speaks for a run that is over)
+                self.on_message(rank, message)
         code = await proc.wait()
         await reading
         if not self.stopping:

@@ -84,14 +84,7 @@ class Run:
         torch.manual_seed(seed)
         self.model = task.Net()
         policy = shardwise.wrap.by_class(task.Block)
-        shardwise.shard(
-            self.model,
-            wrap=policy,
-            strategy=settings.strategy,
-            mixed_precision=None if settings.mixed_precision == "none" else settings.mixed_precision,
-            cpu_offload=settings.cpu_offload,
-            comm=None if settings.comm == "none" else settings.comm,
-        )
+        shardwise.shard(self.model, wrap=policy, **settings.shard_options())
         if settings.activation_checkpointing:
             shardwise.checkpoint_activations(self.model, policy)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
@@ -123,16 +116,13 @@ class Run:
         p = shardwise.plan(
             task.Net,
             world_size=self.world,
-            strategy=s.strategy,
             wrap=policy,
-            mixed_precision=None if s.mixed_precision == "none" else s.mixed_precision,
-            cpu_offload=s.cpu_offload,
             activation_checkpointing=policy if s.activation_checkpointing else None,
-            comm=None if s.comm == "none" else s.comm,
             inputs=lambda: (torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)),
             loss=lambda model, xy, label: F.cross_entropy(model(xy), label),
             optimizer=lambda params: torch.optim.Adam(params, lr=LR),
             backend="gloo",
+            **s.shard_options(),
         )
         e = p.estimates[0]
         return {"peak": e.peak, "model_state": e.model_state, "activations": e.activations, "bytes_per_step": e.sent}

@@ -53,6 +53,15 @@ class Settings:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def shard_options(self) -> dict[str, Any]:
+        """The arguments that ``shardwise.shard`` and ``shardwise.plan`` share."""
+        return {
+            "strategy": self.strategy,
+            "mixed_precision": None if self.mixed_precision == "none" else self.mixed_precision,
+            "cpu_offload": self.cpu_offload,
+            "comm": None if self.comm == "none" else self.comm,
+        }
+
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
