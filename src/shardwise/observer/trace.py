@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -222,8 +223,14 @@ class Trace:
     gathered, so ``data`` (the compact trace) is complete on every rank. Entering and leaving
     are collective: every rank must do both."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        on_event: Callable[[list], None] | None = None,
+    ):
         self.runtime = runtime_of(model)
+        self._on_recorded = on_event
         self.model, self.optimizer = model, optimizer
         self.units = self.runtime.units
         self.index = {u.label: i for i, u in enumerate(self.units)}
@@ -326,7 +333,7 @@ class Trace:
             ev.append(fields["bytes"])
         elif name == "collective":
             ev += [fields["kind"], fields["bytes"], self._rel(fields["t_issue"]), round(fields["wait_s"], 7)]
-        self._events.append(ev)
+        self._append(ev)
         if name in ("gather_issue", "reduce_issue") and unit >= 0:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
@@ -341,7 +348,12 @@ class Trace:
         for key, (stream, unit, p) in list(self._flight.items()):
             if p.completed():
                 del self._flight[key]
-                self._events.append([rel, stream + "_complete", unit])
+                self._append([rel, stream + "_complete", unit])
+
+    def _append(self, ev: list) -> None:
+        self._events.append(ev)
+        if self._on_recorded is not None:
+            self._on_recorded(ev)
 
     def _sample(self, t: float) -> None:
         """One memory sample per device: categories, and the peak total since the last one."""
@@ -425,15 +437,22 @@ def _write(path: str | Path, text: str) -> Path:
     return path
 
 
-def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Trace:
+def trace(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    on_event: Callable[[list], None] | None = None,
+) -> Trace:
     """Record, on every rank, each unit's gathers, reshards, reductions and compute and the
     memory held by category, for as long as the returned context is entered.
 
     ``model`` is a model that ``shardwise.shard()`` returned; with ``optimizer`` its step is
-    traced and its state counted. Nothing is installed outside the ``with`` block, so a run
-    that is not traced pays nothing. Entering and leaving are collective calls.
+    traced and its state counted. ``on_event(event)`` is called with each event as it is
+    recorded (the compact form ``[t, name, unit, ...]`` that the trace keeps), on this rank's
+    thread, before the run goes on: a live view (``shardwise explore``) streams them from
+    there. Nothing is installed outside the ``with`` block, so a run that is not traced pays
+    nothing. Entering and leaving are collective calls.
     """
-    return Trace(model, optimizer)
+    return Trace(model, optimizer, on_event)
 
 
 def _unit_info(u: Unit) -> dict:
