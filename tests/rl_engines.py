@@ -27,23 +27,39 @@ PROMPTS = [[5, 17, 3, 42], [9, 9, 60, 2, 31]]
 NEW_TOKENS = 6
 
 
+# one tiny random model per decoder family (name -> transformers config class, its own fields):
+# the RL test matrix. Hidden size 64, two layers, head dimension 32 (vLLM's CPU attention
+# refuses some smaller ones); "llama" and "moe" are the engines test_rl.py shares.
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(intermediate_size=128)),
+    "llama3": ("LlamaConfig", dict(intermediate_size=128, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", dict(intermediate_size=128)),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=128, tie_word_embeddings=True)),  # q/k/v biases
+    "qwen3": ("Qwen3Config", dict(intermediate_size=128)),
+    "qwen3_tied": ("Qwen3Config", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", dict(intermediate_size=128, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", dict(intermediate_size=128, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", dict(intermediate_size=128)),  # biases, partial rotary
+    "moe": ("Qwen3MoeConfig", dict(  # experts stored fused, as transformers 5 holds them
+        intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
 def config(kind: str):
-    """``llama`` (dense; its peft LoRA merges to the same names) or ``moe`` (Qwen3-MoE: 4
-    experts, top 2, stored fused as transformers 5 holds them)."""
+    """The tiny config of a family in ``FAMILIES`` (untied embeddings unless it says so)."""
     import transformers as tf
 
+    cls, own = FAMILIES[kind]
     common = dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
     )
-    if kind == "llama":
-        return tf.LlamaConfig(intermediate_size=128, **common)
-    if kind == "moe":
-        return tf.Qwen3MoeConfig(
-            intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=1, **common,
-        )
-    raise ValueError(kind)
+    return getattr(tf, cls)(**{**common, **own})
 
 
 def build(kind: str, seed: int, lora: bool = False):

@@ -218,17 +218,24 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
     A dry run: every layer is put back in checkpoint format on the meta device, as vLLM's
     layerwise reload does at the start of an update, the model's own ``load_weights`` is handed
     meta tensors one name at a time (its shape checks run, no data moves), and the layers get
-    their kernel tensors back, untouched."""
+    their kernel tensors back, untouched. Two things the reload leaves alone are matched here:
+    a parameter it does not move to meta (a ``bias``: loaded in place) gets a meta stand-in,
+    and a parameter tied to another (a tied ``lm_head``, which the loader skips) is filled
+    when the one it shares is."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         _get_original_loader,
         get_layerwise_info,
     )
-    from vllm.model_executor.model_loader.reload.meta import CopyCounter, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.meta import CopyCounter, restore_layer_on_meta, to_meta_tensor
 
+    tied = _tied_names(model)
     kept = []
     for layer in model.modules():
         kept.append((layer, dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set)))
         restore_layer_on_meta(layer, get_layerwise_info(layer))
+        for name, p in list(layer._parameters.items()):
+            if p is not None and not p.is_meta:
+                layer._parameters[name] = to_meta_tensor(p)
     problems, loaded, copied = [], set(), 0
     try:
         for p in model.parameters():
@@ -244,8 +251,8 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
             copied += counter.copied_numel
             if not got:
                 problems.append(f"'{name}' {list(shape)}: the engine's loader took nothing from it")
-            loaded |= set(got or ())
-        params = dict(model.named_parameters())
+            loaded |= {tied.get(n, n) for n in got or ()}
+        params = {n: p for n, p in model.named_parameters() if tied.get(n, n) == n}
         if not problems:
             unfilled = [n for n in params if n not in loaded]
             if unfilled:
@@ -262,6 +269,12 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
             layer._non_persistent_buffers_set.clear()
             layer._non_persistent_buffers_set.update(non_persistent)
     return problems
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name -> the first name of the tensor it shares (itself when not tied)."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def repack_experts(model: torch.nn.Module) -> None:

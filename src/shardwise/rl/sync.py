@@ -36,7 +36,11 @@ class VLLMSync:
     by shardwise's plugin. The handshake checks every name and shape against the engine's
     loader before any weight moves.
 
-    - ``dtype``: the wire dtype of floating-point tensors (None: each parameter's own).
+    - ``dtype``: the wire dtype of floating-point tensors. None (the default): the dtype the
+      engine holds, which the handshake asks it for, so the engine gets the trainer's weights
+      as exactly as it can hold them. A narrower one (bf16 into an fp32 engine) halves the
+      bytes and rounds every weight on the way: the engine then serves a rounded model
+      (logprobs about 1e-3 off the trainer's, docs/rl.md).
     - ``bucket_bytes``: staging memory on rank 0, two halves that alternate (one filled while
       the engine loads the other).
     - ``transport``: "shm" (shared memory, one machine), "tcp" (Gloo, the engine on other
@@ -53,7 +57,7 @@ class VLLMSync:
         model: nn.Module,
         engine,
         *,
-        dtype: torch.dtype | None = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         bucket_bytes: int = 64 << 20,
         transport: str = "auto",
         delta: bool = False,
@@ -74,13 +78,15 @@ class VLLMSync:
         if delta and transport in ("nccl", "ipc"):
             raise ShardwiseError("delta=True takes transport 'shm' or 'tcp' (vLLM's nccl and ipc engines send whole tensors)")
         _same_everywhere((str(dtype), bucket_bytes, transport, delta))
-        self.model, self.dtype, self.delta = model, dtype, delta
-        self.bucket_bytes, self.transport, self.address, self.timeout = bucket_bytes, transport, address, timeout
+        self.model, self.delta = model, delta
+        self.bucket_bytes, self.address, self.timeout = bucket_bytes, address, timeout
         self.client = None
         if engine is not None:
             inner = ServerClient(engine, timeout) if isinstance(engine, str) else LLMClient(engine)
             self.client = Watched(inner, timeout)
-        self.source = ShardwiseSource(model, dtype)
+        self.transport, engine_dtype = self._engine_facts(transport)
+        self.dtype = dtype if dtype is not None else engine_dtype
+        self.source = ShardwiseSource(model, self.dtype)
         self.version = 0  # of the last push that completed
         self.engine = None
         self._connect()
@@ -115,8 +121,7 @@ class VLLMSync:
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     def _init_info(self):
-        rank = dist.get_rank()
-        transport = self._transport()
+        rank, transport = dist.get_rank(), self.transport
         if transport in ("shm", "tcp"):
             host, port = self._address(transport)
             workers = [self.client.workers() if rank == 0 and transport == "tcp" else 1]
@@ -126,13 +131,16 @@ class VLLMSync:
             )
         return _vllm_init_info(transport, rank, self.client, self._address("tcp"), self.bucket_bytes)
 
-    def _transport(self) -> str:
-        if self.transport != "auto":
-            return self.transport
-        choice = [("shm" if self.client.local else "tcp") if self.client is not None else ""]
+    def _engine_facts(self, transport: str) -> tuple[str, torch.dtype]:
+        """Rank 0 asks the engine, every rank learns: the transport "auto" picks, and the
+        dtype the engine holds (the default wire dtype)."""
+        facts = [None]
+        if self.client is not None:
+            auto = "shm" if self.client.local else "tcp"
+            facts = [(auto if transport == "auto" else transport, str(self.client.dtype()).removeprefix("torch."))]
         if dist.get_world_size() > 1:
-            C.blocking("broadcast", "VLLMSync transport", dist.broadcast_object_list, choice, src=0)
-        return choice[0]
+            C.blocking("broadcast", "VLLMSync engine facts", dist.broadcast_object_list, facts, src=0)
+        return facts[0][0], getattr(torch, facts[0][1])
 
     def _address(self, transport: str) -> tuple[str, int]:
         if transport != "tcp" or self.client is None:
