@@ -25,6 +25,7 @@ import shardwise.rl
 
 PROMPTS = [[5, 17, 3, 42], [9, 9, 60, 2, 31]]
 NEW_TOKENS = 6
+LOGPROB_TOL = 1e-4  # an fp32 engine against fp32 transformers on the same weights (seen: 5e-7)
 
 
 # one tiny random model per decoder family (name -> transformers config class, its own fields):
@@ -43,7 +44,7 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", dict(intermediate_size=128, tie_word_embeddings=True)),
     "phi3": ("Phi3Config", dict(intermediate_size=128, pad_token_id=0)),
     "olmo2": ("Olmo2Config", dict(intermediate_size=128, pad_token_id=0)),
-    "gpt_neox": ("GPTNeoXConfig", dict(intermediate_size=128)),  # biases, partial rotary
+    "gpt_neox": ("GPTNeoXConfig", dict(intermediate_size=128, num_key_value_heads=2)),  # biases, partial rotary; no GQA
     "moe": ("Qwen3MoeConfig", dict(  # experts stored fused, as transformers 5 holds them
         intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
@@ -212,6 +213,22 @@ def reference_model(kind: str, state: dict, lora: bool = False, round_to: torch.
     return model.merge_and_unload() if lora else model
 
 
+def check_push(server: Server, result: dict, kind: str, *, lora=False, round_to=None, before=None) -> None:
+    """The engine now generates transformers' tokens and logprobs on the gathered model,
+    under the version just pushed, and something else than before the push."""
+    after = server.generate()
+    ref = reference(reference_model(kind, result["state"], lora=lora, round_to=round_to))
+    for got, want in zip(after, ref):
+        assert got["tokens"] == want["tokens"], (got, want)
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < LOGPROB_TOL, (got, want)
+        assert got["versions"] == [str(result["versions"][-1])]
+    if before is not None:
+        assert any(
+            a["tokens"] != b["tokens"] or max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) > 1e-3
+            for a, b in zip(after, before)
+        ), "the push changed nothing the engine generates"
+
+
 # --- what the trainer ranks run (tests/pool.py workers)
 def warm() -> None:
     """Import vLLM's trainer side and transformers' models in a pool's workers (tens of
@@ -223,7 +240,7 @@ def warm() -> None:
 
 def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: str = "full_shard",
              shard_size: int | None = None, placement: str | None = None, mixed_precision: str | None = None,
-             dtype: str = "float32", transport: str = "auto", delta: bool = False, lr: float = 1e-2,
+             dtype: str | None = None, transport: str = "auto", delta: bool = False, lr: float = 1e-2,
              pushes: int = 1, steps_between: int = 1) -> dict:
     """Build, shard and train a model, pushing after every ``steps_between`` optimizer steps;
     rank 0 returns the gathered state dict, the versions pushed and the push byte counts."""
@@ -236,7 +253,7 @@ def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: st
     shardwise.shard(model, wrap=shardwise.wrap.auto(model), strategy=strategy, mixed_precision=mixed_precision, **kw)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     shardwise.reset_comm_stats()
-    sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, dtype=getattr(torch, dtype),
+    sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, dtype=dtype and getattr(torch, dtype),
                                  transport=transport, delta=delta, address="127.0.0.1",
                                  bucket_bytes=1 << 17)  # several buckets, tensors split across them
     versions, sent = [], []

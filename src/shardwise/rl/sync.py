@@ -11,7 +11,6 @@ engine, through vLLM's weight-transfer API.
 from __future__ import annotations
 
 import socket
-import time
 from urllib.parse import urlparse
 
 import torch
@@ -22,9 +21,8 @@ from .. import collectives as C
 from ..errors import ShardwiseError
 from .clients import EngineError, LLMClient, ServerClient, Watched
 from .plugin import register
-from .trainer import ShardwiseSource, ShardwiseTrainerInitInfo
-
-TRANSPORTS = ("auto", "shm", "tcp", "nccl", "ipc")
+from .trainer import ShardwiseSource
+from .transport import TRANSPORTS
 
 
 class VLLMSync:
@@ -66,8 +64,8 @@ class VLLMSync:
     ):
         if not dist.is_initialized():
             raise ShardwiseError("VLLMSync is collective: call shardwise.init() and shard() first")
-        if transport not in TRANSPORTS:
-            raise ShardwiseError(f"transport={transport!r}: choose one of {TRANSPORTS}")
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ShardwiseError(f"transport={transport!r}: choose 'auto' or one of {sorted(TRANSPORTS)}")
         if (dist.get_rank() == 0) != (engine is not None):
             raise ShardwiseError(
                 f"rank {dist.get_rank()} passed engine={type(engine).__name__}: rank 0 passes the "
@@ -75,8 +73,9 @@ class VLLMSync:
             )
         if bucket_bytes < 1 << 16:
             raise ShardwiseError(f"bucket_bytes={bucket_bytes}: give at least 64 KiB")
-        if delta and transport in ("nccl", "ipc"):
-            raise ShardwiseError("delta=True takes transport 'shm' or 'tcp' (vLLM's nccl and ipc engines send whole tensors)")
+        if delta and transport != "auto" and not TRANSPORTS[transport].delta:
+            takes = sorted(n for n, t in TRANSPORTS.items() if t.delta)
+            raise ShardwiseError(f"delta=True takes transport {takes} ({transport!r} sends whole tensors)")
         _same_everywhere((str(dtype), bucket_bytes, transport, delta))
         self.model, self.delta = model, delta
         self.bucket_bytes, self.address, self.timeout = bucket_bytes, address, timeout
@@ -84,7 +83,8 @@ class VLLMSync:
         if engine is not None:
             inner = ServerClient(engine, timeout) if isinstance(engine, str) else LLMClient(engine)
             self.client = Watched(inner, timeout)
-        self.transport, engine_dtype = self._engine_facts(transport)
+        name, engine_dtype = self._engine_facts(transport)
+        self.transport = TRANSPORTS[name]
         self.dtype = dtype if dtype is not None else engine_dtype
         self.source = ShardwiseSource(model, self.dtype)
         self.version = 0  # of the last push that completed
@@ -99,10 +99,7 @@ class VLLMSync:
             self._connect()
         version = self.version + 1
         try:
-            if self.transport in ("nccl", "ipc"):
-                self._push_vllm(version)
-            else:
-                self.engine.send_weights(version=version)
+            self.transport.send(self.engine, version, self.client, self.source)
         except EngineError:
             self._drop()
             raise
@@ -121,15 +118,11 @@ class VLLMSync:
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     def _init_info(self):
-        rank, transport = dist.get_rank(), self.transport
-        if transport in ("shm", "tcp"):
-            host, port = self._address(transport)
-            workers = [self.client.workers() if rank == 0 and transport == "tcp" else 1]
-            return ShardwiseTrainerInitInfo(
-                rank=rank, transport=transport, delta=self.delta, bucket_bytes=self.bucket_bytes,
-                host=host, port=port, workers=workers[0], timeout=self.timeout,
-            )
-        return _vllm_init_info(transport, rank, self.client, self._address("tcp"), self.bucket_bytes)
+        rank, remote = dist.get_rank(), self.transport.remote
+        host, port = self._address() if remote else ("", 0)
+        workers = [self.client.workers() if rank == 0 and remote else 1]
+        return self.transport.trainer_info(rank=rank, delta=self.delta, bucket_bytes=self.bucket_bytes, host=host,
+                                           port=port, workers=workers[0], timeout=self.timeout)
 
     def _engine_facts(self, transport: str) -> tuple[str, torch.dtype]:
         """Rank 0 asks the engine, every rank learns: the transport "auto" picks, and the
@@ -142,23 +135,15 @@ class VLLMSync:
             C.blocking("broadcast", "VLLMSync engine facts", dist.broadcast_object_list, facts, src=0)
         return facts[0][0], getattr(torch, facts[0][1])
 
-    def _address(self, transport: str) -> tuple[str, int]:
-        if transport != "tcp" or self.client is None:
+    def _address(self) -> tuple[str, int]:
+        """Where the engine's workers reach rank 0 (``address``, or this machine's address on
+        the route to the engine's URL); port 0: any free one."""
+        if self.client is None:
             return "", 0
         host, _, port = (self.address or "").partition(":")
         if not host:
             host = _route_to(getattr(self.client.client, "url", ""))
         return host, int(port or 0)
-
-    def _push_vllm(self, version: int) -> None:
-        """vLLM's own nccl / ipc engine, fed by the same source (not run here: no GPU)."""
-        if self.client is not None:
-            self.client.version = str(version)
-        t0 = time.perf_counter()
-        self.engine.send_weights()
-        if self.client is not None:
-            nbytes = sum(e.nbytes for e in self.source.exports)
-            C.book_sent("weight_sync", nbytes, nbytes, time.perf_counter() - t0, 0.0)
 
     def _drop(self) -> None:
         if self.engine is not None:
@@ -184,24 +169,3 @@ def _route_to(url: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
-
-
-def _vllm_init_info(transport: str, rank: int, client, address: tuple[str, int], bucket_bytes: int):
-    """vLLM's own GPU engines: nccl (a broadcast group of rank 0 and the engine's workers) or
-    ipc (CUDA IPC handles, the engine on this rank's GPUs)."""
-    if transport == "ipc":
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-    host, port = address
-    workers = client.workers() if client is not None else 1
-    if rank == 0 and not port:
-        with socket.socket() as s:
-            s.bind((host or "", 0))
-            port = s.getsockname()[1]
-    return NCCLTrainerInitInfo(
-        rank=rank, master_address=host or "127.0.0.1", master_port=port, world_size=1 + workers,
-        packed=True, packed_buffer_size_bytes=bucket_bytes,
-    )
