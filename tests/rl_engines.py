@@ -273,6 +273,19 @@ def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: st
     return {"state": state, "versions": versions, "sent": sent} if dist.get_rank() == 0 else {"versions": versions}
 
 
+def unreachable_job(url: str) -> tuple[str, float]:
+    """Build a ``VLLMSync`` for an engine that is not there: the error each rank gets, and
+    after how many seconds."""
+    model = build("llama", seed=31)
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+    t0 = time.monotonic()
+    try:
+        shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, timeout=30)
+    except shardwise.rl.EngineError as e:
+        return str(e), time.monotonic() - t0
+    return "", time.monotonic() - t0
+
+
 def death_job(url: str, engine_pid: int) -> dict:
     """Push once, then rank 0 kills the engine's process and every rank pushes again: each
     returns the error it got and how long it took, and whether its shards and optimizer state

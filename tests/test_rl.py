@@ -67,6 +67,16 @@ def test_wrong_shapes_fail_before_anything_moves(ranks, servers):
     assert server.generate() == before
 
 
+def test_an_engine_that_is_not_there_is_named_on_every_rank(ranks):
+    """Rank 0 asks the engine for its dtype before the handshake: an engine that does not
+    answer is an EngineError on every rank at once, not a rank waiting for rank 0."""
+    results = ranks(2).run(E.unreachable_job, f"http://127.0.0.1:{E.free_port()}")
+    assert results[0][0].startswith("the engine could not be asked for its dtype: "), results
+    assert results[1][0].startswith("the engine could not be asked for its dtype (reported by rank 0): "), results
+    assert "server_info" in results[0][0] or "Connection" in results[0][0], results
+    assert max(seconds for _, seconds in results) < 20, results
+
+
 def test_engine_death_is_named_on_every_rank(ranks, servers):
     """The engine dies mid-training: every rank raises EngineError within seconds (again at
     a retry, no hang), and training goes on exactly as without the failed push."""

@@ -130,10 +130,17 @@ class VLLMSync:
         facts = [None]
         if self.client is not None:
             auto = "shm" if self.client.local else "tcp"
-            facts = [(auto if transport == "auto" else transport, str(self.client.dtype()).removeprefix("torch."))]
+            try:
+                facts = [(auto if transport == "auto" else transport, str(self.client.dtype()).removeprefix("torch."))]
+            except EngineError as e:  # every rank learns of it: none waits on the broadcast
+                facts = [("", str(e))]
         if dist.get_world_size() > 1:
             C.blocking("broadcast", "VLLMSync engine facts", dist.broadcast_object_list, facts, src=0)
-        return facts[0][0], getattr(torch, facts[0][1])
+        name, dtype = facts[0]
+        if not name:
+            where = "" if dist.get_rank() == 0 else " (reported by rank 0)"
+            raise EngineError(f"the engine could not be asked for its dtype{where}: {dtype}")
+        return name, getattr(torch, dtype)
 
     def _address(self) -> tuple[str, int]:
         """Where the engine's workers reach rank 0 (``address``, or this machine's address on
