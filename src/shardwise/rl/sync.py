@@ -120,9 +120,9 @@ class VLLMSync:
     def _init_info(self):
         rank, remote = dist.get_rank(), self.transport.remote
         host, port = self._address() if remote else ("", 0)
-        workers = [self.client.workers() if rank == 0 and remote else 1]
+        workers = self.client.workers() if rank == 0 and remote else 1
         return self.transport.trainer_info(rank=rank, delta=self.delta, bucket_bytes=self.bucket_bytes, host=host,
-                                           port=port, workers=workers[0], timeout=self.timeout)
+                                           port=port, workers=workers, timeout=self.timeout)
 
     def _engine_facts(self, transport: str) -> tuple[str, torch.dtype]:
         """Rank 0 asks the engine, every rank learns: the transport "auto" picks, and the
