@@ -25,25 +25,42 @@ import shardwise.rl
 
 PROMPTS = [[5, 17, 3, 42], [9, 9, 60, 2, 31]]
 NEW_TOKENS = 6
+LOGPROB_TOL = 1e-4  # an fp32 engine against fp32 transformers on the same weights (seen: 5e-7)
+
+
+# one tiny random model per decoder family (name -> transformers config class, its own fields):
+# the RL test matrix. Hidden size 64, two layers, head dimension 32 (vLLM's CPU attention
+# refuses some smaller ones); "llama" and "moe" are the engines test_rl.py shares.
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(intermediate_size=128)),
+    "llama3": ("LlamaConfig", dict(intermediate_size=128, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", dict(intermediate_size=128)),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=128, tie_word_embeddings=True)),  # q/k/v biases
+    "qwen3": ("Qwen3Config", dict(intermediate_size=128)),
+    "qwen3_tied": ("Qwen3Config", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", dict(intermediate_size=128, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", dict(intermediate_size=128, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", dict(intermediate_size=128, num_key_value_heads=2)),  # biases, partial rotary; no GQA
+    "moe": ("Qwen3MoeConfig", dict(  # experts stored fused, as transformers 5 holds them
+        intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+}
 
 
 def config(kind: str):
-    """``llama`` (dense; its peft LoRA merges to the same names) or ``moe`` (Qwen3-MoE: 4
-    experts, top 2, stored fused as transformers 5 holds them)."""
+    """The tiny config of a family in ``FAMILIES`` (untied embeddings unless it says so)."""
     import transformers as tf
 
+    cls, own = FAMILIES[kind]
     common = dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
     )
-    if kind == "llama":
-        return tf.LlamaConfig(intermediate_size=128, **common)
-    if kind == "moe":
-        return tf.Qwen3MoeConfig(
-            intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=1, **common,
-        )
-    raise ValueError(kind)
+    return getattr(tf, cls)(**{**common, **own})
 
 
 def build(kind: str, seed: int, lora: bool = False):
@@ -196,6 +213,22 @@ def reference_model(kind: str, state: dict, lora: bool = False, round_to: torch.
     return model.merge_and_unload() if lora else model
 
 
+def check_push(server: Server, result: dict, kind: str, *, lora=False, round_to=None, before=None) -> None:
+    """The engine now generates transformers' tokens and logprobs on the gathered model,
+    under the version just pushed, and something else than before the push."""
+    after = server.generate()
+    ref = reference(reference_model(kind, result["state"], lora=lora, round_to=round_to))
+    for got, want in zip(after, ref):
+        assert got["tokens"] == want["tokens"], (got, want)
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < LOGPROB_TOL, (got, want)
+        assert got["versions"] == [str(result["versions"][-1])]
+    if before is not None:
+        assert any(
+            a["tokens"] != b["tokens"] or max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) > 1e-3
+            for a, b in zip(after, before)
+        ), "the push changed nothing the engine generates"
+
+
 # --- what the trainer ranks run (tests/pool.py workers)
 def warm() -> None:
     """Import vLLM's trainer side and transformers' models in a pool's workers (tens of
@@ -207,7 +240,7 @@ def warm() -> None:
 
 def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: str = "full_shard",
              shard_size: int | None = None, placement: str | None = None, mixed_precision: str | None = None,
-             dtype: str = "float32", transport: str = "auto", delta: bool = False, lr: float = 1e-2,
+             dtype: str | None = None, transport: str = "auto", delta: bool = False, lr: float = 1e-2,
              pushes: int = 1, steps_between: int = 1) -> dict:
     """Build, shard and train a model, pushing after every ``steps_between`` optimizer steps;
     rank 0 returns the gathered state dict, the versions pushed and the push byte counts."""
@@ -220,7 +253,7 @@ def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: st
     shardwise.shard(model, wrap=shardwise.wrap.auto(model), strategy=strategy, mixed_precision=mixed_precision, **kw)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     shardwise.reset_comm_stats()
-    sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, dtype=getattr(torch, dtype),
+    sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, dtype=dtype and getattr(torch, dtype),
                                  transport=transport, delta=delta, address="127.0.0.1",
                                  bucket_bytes=1 << 17)  # several buckets, tensors split across them
     versions, sent = [], []
@@ -238,6 +271,19 @@ def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: st
     sync.close()
     state = shardwise.full_state_dict(model)
     return {"state": state, "versions": versions, "sent": sent} if dist.get_rank() == 0 else {"versions": versions}
+
+
+def unreachable_job(url: str) -> tuple[str, float]:
+    """Build a ``VLLMSync`` for an engine that is not there: the error each rank gets, and
+    after how many seconds."""
+    model = build("llama", seed=31)
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+    t0 = time.monotonic()
+    try:
+        shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, timeout=30)
+    except shardwise.rl.EngineError as e:
+        return str(e), time.monotonic() - t0
+    return "", time.monotonic() - t0
 
 
 def death_job(url: str, engine_pid: int) -> dict:

@@ -93,3 +93,19 @@ def test_no_function_is_longer_than_80_lines():
                 if lines > 80:
                     long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     assert long == [], "split these functions: " + ", ".join(long)
+
+
+def test_rl_is_an_attribute_after_import_shardwise_and_imports_vllm_only_for_the_sync():
+    """``import shardwise`` then ``shardwise.rl.VLLMSync`` on any rank (as ``shardwise.ft``);
+    reaching ``shardwise.rl`` itself does not import vLLM."""
+    import importlib.util
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    got = _fresh(
+        "import json, sys, shardwise\n"
+        "rl = shardwise.rl\n"
+        "quiet = 'vllm' not in sys.modules\n"
+        f"sync = shardwise.rl.VLLMSync.__module__ if {has_vllm} else None\n"
+        "print(json.dumps([rl.__name__, quiet, rl.EngineError.__module__, sync]))\n"
+    )
+    assert got == ["shardwise.rl", True, "shardwise.rl.clients", "shardwise.rl.sync" if has_vllm else None]

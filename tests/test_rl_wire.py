@@ -192,3 +192,28 @@ def test_import_shardwise_does_not_import_vllm():
     code = "import sys, shardwise, shardwise.rl; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_transports_are_registered_objects_and_shm_reaches_the_reader():
+    """One registry of transports by name; shared memory: what rank 0 writes into a staging
+    buffer is what the engine's reader receives, with the update call made once per bucket."""
+    from types import SimpleNamespace
+
+    from shardwise.rl.transport import TRANSPORTS, transport
+
+    assert set(TRANSPORTS) == {"shm", "tcp", "nccl", "ipc"}
+    assert [n for n, t in TRANSPORTS.items() if t.delta] == ["shm", "tcp"]
+    with pytest.raises(ValueError, match=r"unknown transport 'udp': one of \['ipc', 'nccl', 'shm', 'tcp'\]"):
+        transport("udp")
+    shm = transport("shm")
+    writer = shm.writer(SimpleNamespace(bucket_bytes=1 << 16))
+    try:
+        reader = shm.reader(SimpleNamespace(**writer.init_info()), rank=1)
+        writer.connected()  # the files are gone, the mappings stay
+        data = torch.arange(100, dtype=torch.uint8)
+        writer.buffers[1][:100].copy_(data)
+        calls = []
+        writer.deliver(lambda: calls.append(reader.receive(1, 100).clone()), 1, 100)
+        assert len(calls) == 1 and torch.equal(calls[0], data)
+    finally:
+        writer.close()

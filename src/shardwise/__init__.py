@@ -100,10 +100,10 @@ moved.install()
 
 
 def __getattr__(name: str):
-    if name == "ft":  # fault tolerance on torchft (the [ft] extra): a subpackage, imported when used
+    if name in ("ft", "rl"):  # torchft / vLLM (the [ft] / [vllm] extras): subpackages, imported when used
         from importlib import import_module
 
-        return import_module(".ft", __name__)
+        return import_module(f".{name}", __name__)
     if name in _LAZY:
         from importlib import import_module
 

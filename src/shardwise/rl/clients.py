@@ -58,6 +58,9 @@ class LLMClient:
     def workers(self) -> int:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp
 
+    def dtype(self) -> str:
+        return str(self.llm.llm_engine.vllm_config.model_config.dtype)
+
     def pause(self) -> None:
         """Nothing to pause: an ``LLM`` generates only when rank 0 asks it to."""
 
@@ -111,6 +114,14 @@ class ServerClient:
         r = requests.get(f"{self.url}/get_world_size", timeout=30)
         _raise_for(r, self.url, "get_world_size")
         return int(r.json()["world_size"])
+
+    def dtype(self) -> str:
+        """The dtype the engine holds its weights in (its ``--dtype``, resolved)."""
+        import requests
+
+        r = requests.get(f"{self.url}/server_info", params={"config_format": "json"}, timeout=60)
+        _raise_for(r, self.url, "server_info")
+        return str(r.json()["vllm_config"]["model_config"]["dtype"])
 
     def pause(self) -> None:
         """Freeze generation (requests in flight wait) until ``resume``."""
@@ -173,6 +184,9 @@ class Watched:
 
     def workers(self) -> int:
         return self.call("workers")
+
+    def dtype(self) -> str:
+        return self.call("dtype")
 
     def call(self, method: str, *args) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()

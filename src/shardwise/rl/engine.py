@@ -35,14 +35,14 @@ from vllm.distributed.weight_transfer.base import (
 
 from . import wire
 from .delta import BITS
-from .transport import ShmReader, TcpReader
+from .transport import transport
 
 
 @dataclass
 class ShardwiseInitInfo(WeightTransferInitInfo):
     """What the trainer's rank 0 sends at the handshake."""
 
-    transport: str  # "shm" or "tcp"
+    transport: str  # a shardwise transport's name (transport.TRANSPORTS)
     tensors: list[list[Any]]  # [name, dtype name, shape] of every tensor a push sends
     delta: bool = False
     paths: list[str] = field(default_factory=list)  # shm: the staging buffers' files
@@ -90,14 +90,8 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
                 "was sent):\n  " + "\n  ".join(problems[:6]) + more
             )
         self.delta = init_info.delta
-        if init_info.transport == "shm":
-            self.reader = ShmReader(init_info.paths)
-        elif init_info.transport == "tcp":
-            pc = self.parallel_config
-            rank = 1 + pc.data_parallel_index * pc.world_size + pc.rank
-            self.reader = TcpReader(init_info.host, init_info.port, rank, init_info.world_size, init_info.timeout)
-        else:
-            raise ValueError(f"unknown transport {init_info.transport!r}: 'shm' or 'tcp'")
+        pc = self.parallel_config
+        self.reader = transport(init_info.transport).reader(init_info, 1 + pc.data_parallel_index * pc.world_size + pc.rank)
 
     def start_weight_update(self) -> None:
         if self.reader is None:
@@ -133,16 +127,12 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
         self._load(ready)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self.aborted:  # delta: the model was not touched; the mirror is not to be trusted
             self.mirror, self.partial = ({} if self.delta else self.mirror), {}
             if not self.delta:
-                finalize_layerwise_reload(self.model, self.model_config)
-                repack_experts(self.model)
+                self._finalize()
             return
         if self.partial:
             names = ", ".join(sorted(self.partial)[:5])
@@ -158,8 +148,15 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
                 )
             initialize_layerwise_reload(self.model)
             self._load([(n, t.view(self.declared[n][1])) for n, t in self.mirror.items()])
+        self._finalize()
+
+    def _finalize(self) -> None:
+        """End vLLM's layerwise reload, then the post-load steps vLLM 0.32 skips on a reload."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
         finalize_layerwise_reload(self.model, self.model_config)
         repack_experts(self.model)
+        reprocess_tied(self.model)
 
     def shutdown(self) -> None:
         if self.reader is not None:
@@ -218,17 +215,28 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
     A dry run: every layer is put back in checkpoint format on the meta device, as vLLM's
     layerwise reload does at the start of an update, the model's own ``load_weights`` is handed
     meta tensors one name at a time (its shape checks run, no data moves), and the layers get
-    their kernel tensors back, untouched."""
+    their kernel tensors back, untouched. Two things the reload leaves alone are matched here:
+    a parameter it does not move to meta (a ``bias``: loaded in place) gets a meta stand-in,
+    and a parameter tied to another (a tied ``lm_head``, which the loader skips) is filled
+    when the one it shares is."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         _get_original_loader,
         get_layerwise_info,
     )
-    from vllm.model_executor.model_loader.reload.meta import CopyCounter, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.meta import (
+        CopyCounter,
+        restore_layer_on_meta,
+        to_meta_tensor,
+    )
 
+    tied = _tied_names(model)
     kept = []
     for layer in model.modules():
         kept.append((layer, dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set)))
         restore_layer_on_meta(layer, get_layerwise_info(layer))
+        for name, p in list(layer._parameters.items()):
+            if p is not None and not p.is_meta:
+                layer._parameters[name] = to_meta_tensor(p)
     problems, loaded, copied = [], set(), 0
     try:
         for p in model.parameters():
@@ -244,8 +252,8 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
             copied += counter.copied_numel
             if not got:
                 problems.append(f"'{name}' {list(shape)}: the engine's loader took nothing from it")
-            loaded |= set(got or ())
-        params = dict(model.named_parameters())
+            loaded |= {tied.get(n, n) for n in got or ()}
+        params = {n: p for n, p in model.named_parameters() if tied.get(n, n) == n}
         if not problems:
             unfilled = [n for n in params if n not in loaded]
             if unfilled:
@@ -264,6 +272,12 @@ def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, t
     return problems
 
 
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name -> the first name of the tensor it shares (itself when not tied)."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
 def repack_experts(model: torch.nn.Module) -> None:
     """Work around vLLM 0.32: after a weight update, an unquantized mixture-of-experts layer
     re-runs its own post-load processing but skips its experts' (``_setup_kernel`` calls
@@ -279,3 +293,17 @@ def repack_experts(model: torch.nn.Module) -> None:
         method = getattr(m, "quant_method", None)
         if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
             method.moe_kernel.fused_experts.process_weights_after_loading(m)
+
+
+def reprocess_tied(model: torch.nn.Module) -> None:
+    """Work around vLLM 0.32: a layer whose weight is another's (a tied ``lm_head``) is not
+    loaded in a reload (its loader skips it), so its post-load processing does not run again,
+    and on CPU that processing is what builds the layer's GEMM from the weight (a packed copy
+    or a oneDNN handle): the layer keeps computing with the old weights while the tensor holds
+    the new ones (vLLM's own ``reload_weights`` does the same). Run it for such layers."""
+    tied = _tied_names(model)
+    for prefix, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        names = [f"{prefix}.{n}".lstrip(".") for n, _ in layer.named_parameters(recurse=False)]
+        if method is not None and any(tied[n] != n for n in names):
+            method.process_weights_after_loading(layer)

@@ -11,7 +11,6 @@ engine, through vLLM's weight-transfer API.
 from __future__ import annotations
 
 import socket
-import time
 from urllib.parse import urlparse
 
 import torch
@@ -22,9 +21,8 @@ from .. import collectives as C
 from ..errors import ShardwiseError
 from .clients import EngineError, LLMClient, ServerClient, Watched
 from .plugin import register
-from .trainer import ShardwiseSource, ShardwiseTrainerInitInfo
-
-TRANSPORTS = ("auto", "shm", "tcp", "nccl", "ipc")
+from .trainer import ShardwiseSource
+from .transport import TRANSPORTS
 
 
 class VLLMSync:
@@ -36,7 +34,11 @@ class VLLMSync:
     by shardwise's plugin. The handshake checks every name and shape against the engine's
     loader before any weight moves.
 
-    - ``dtype``: the wire dtype of floating-point tensors (None: each parameter's own).
+    - ``dtype``: the wire dtype of floating-point tensors. None (the default): the dtype the
+      engine holds, which the handshake asks it for, so the engine gets the trainer's weights
+      as exactly as it can hold them. A narrower one (bf16 into an fp32 engine) halves the
+      bytes and rounds every weight on the way: the engine then serves a rounded model
+      (logprobs about 1e-3 off the trainer's, docs/rl.md).
     - ``bucket_bytes``: staging memory on rank 0, two halves that alternate (one filled while
       the engine loads the other).
     - ``transport``: "shm" (shared memory, one machine), "tcp" (Gloo, the engine on other
@@ -53,7 +55,7 @@ class VLLMSync:
         model: nn.Module,
         engine,
         *,
-        dtype: torch.dtype | None = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         bucket_bytes: int = 64 << 20,
         transport: str = "auto",
         delta: bool = False,
@@ -62,8 +64,8 @@ class VLLMSync:
     ):
         if not dist.is_initialized():
             raise ShardwiseError("VLLMSync is collective: call shardwise.init() and shard() first")
-        if transport not in TRANSPORTS:
-            raise ShardwiseError(f"transport={transport!r}: choose one of {TRANSPORTS}")
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ShardwiseError(f"transport={transport!r}: choose 'auto' or one of {sorted(TRANSPORTS)}")
         if (dist.get_rank() == 0) != (engine is not None):
             raise ShardwiseError(
                 f"rank {dist.get_rank()} passed engine={type(engine).__name__}: rank 0 passes the "
@@ -71,16 +73,20 @@ class VLLMSync:
             )
         if bucket_bytes < 1 << 16:
             raise ShardwiseError(f"bucket_bytes={bucket_bytes}: give at least 64 KiB")
-        if delta and transport in ("nccl", "ipc"):
-            raise ShardwiseError("delta=True takes transport 'shm' or 'tcp' (vLLM's nccl and ipc engines send whole tensors)")
+        if delta and transport != "auto" and not TRANSPORTS[transport].delta:
+            takes = sorted(n for n, t in TRANSPORTS.items() if t.delta)
+            raise ShardwiseError(f"delta=True takes transport {takes} ({transport!r} sends whole tensors)")
         _same_everywhere((str(dtype), bucket_bytes, transport, delta))
-        self.model, self.dtype, self.delta = model, dtype, delta
-        self.bucket_bytes, self.transport, self.address, self.timeout = bucket_bytes, transport, address, timeout
+        self.model, self.delta = model, delta
+        self.bucket_bytes, self.address, self.timeout = bucket_bytes, address, timeout
         self.client = None
         if engine is not None:
             inner = ServerClient(engine, timeout) if isinstance(engine, str) else LLMClient(engine)
             self.client = Watched(inner, timeout)
-        self.source = ShardwiseSource(model, dtype)
+        name, engine_dtype = self._engine_facts(transport)
+        self.transport = TRANSPORTS[name]
+        self.dtype = dtype if dtype is not None else engine_dtype
+        self.source = ShardwiseSource(model, self.dtype)
         self.version = 0  # of the last push that completed
         self.engine = None
         self._connect()
@@ -93,10 +99,7 @@ class VLLMSync:
             self._connect()
         version = self.version + 1
         try:
-            if self.transport in ("nccl", "ipc"):
-                self._push_vllm(version)
-            else:
-                self.engine.send_weights(version=version)
+            self.transport.send(self.engine, version, self.client, self.source)
         except EngineError:
             self._drop()
             raise
@@ -115,42 +118,39 @@ class VLLMSync:
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     def _init_info(self):
-        rank = dist.get_rank()
-        transport = self._transport()
-        if transport in ("shm", "tcp"):
-            host, port = self._address(transport)
-            workers = [self.client.workers() if rank == 0 and transport == "tcp" else 1]
-            return ShardwiseTrainerInitInfo(
-                rank=rank, transport=transport, delta=self.delta, bucket_bytes=self.bucket_bytes,
-                host=host, port=port, workers=workers[0], timeout=self.timeout,
-            )
-        return _vllm_init_info(transport, rank, self.client, self._address("tcp"), self.bucket_bytes)
+        rank, remote = dist.get_rank(), self.transport.remote
+        host, port = self._address() if remote else ("", 0)
+        workers = self.client.workers() if rank == 0 and remote else 1
+        return self.transport.trainer_info(rank=rank, delta=self.delta, bucket_bytes=self.bucket_bytes, host=host,
+                                           port=port, workers=workers, timeout=self.timeout)
 
-    def _transport(self) -> str:
-        if self.transport != "auto":
-            return self.transport
-        choice = [("shm" if self.client.local else "tcp") if self.client is not None else ""]
+    def _engine_facts(self, transport: str) -> tuple[str, torch.dtype]:
+        """Rank 0 asks the engine, every rank learns: the transport "auto" picks, and the
+        dtype the engine holds (the default wire dtype)."""
+        facts = [None]
+        if self.client is not None:
+            auto = "shm" if self.client.local else "tcp"
+            try:
+                facts = [(auto if transport == "auto" else transport, str(self.client.dtype()).removeprefix("torch."))]
+            except EngineError as e:  # every rank learns of it: none waits on the broadcast
+                facts = [("", str(e))]
         if dist.get_world_size() > 1:
-            C.blocking("broadcast", "VLLMSync transport", dist.broadcast_object_list, choice, src=0)
-        return choice[0]
+            C.blocking("broadcast", "VLLMSync engine facts", dist.broadcast_object_list, facts, src=0)
+        name, dtype = facts[0]
+        if not name:
+            where = "" if dist.get_rank() == 0 else " (reported by rank 0)"
+            raise EngineError(f"the engine could not be asked for its dtype{where}: {dtype}")
+        return name, getattr(torch, dtype)
 
-    def _address(self, transport: str) -> tuple[str, int]:
-        if transport != "tcp" or self.client is None:
+    def _address(self) -> tuple[str, int]:
+        """Where the engine's workers reach rank 0 (``address``, or this machine's address on
+        the route to the engine's URL); port 0: any free one."""
+        if self.client is None:
             return "", 0
         host, _, port = (self.address or "").partition(":")
         if not host:
             host = _route_to(getattr(self.client.client, "url", ""))
         return host, int(port or 0)
-
-    def _push_vllm(self, version: int) -> None:
-        """vLLM's own nccl / ipc engine, fed by the same source (not run here: no GPU)."""
-        if self.client is not None:
-            self.client.version = str(version)
-        t0 = time.perf_counter()
-        self.engine.send_weights()
-        if self.client is not None:
-            nbytes = sum(e.nbytes for e in self.source.exports)
-            C.book_sent("weight_sync", nbytes, nbytes, time.perf_counter() - t0, 0.0)
 
     def _drop(self) -> None:
         if self.engine is not None:
@@ -176,24 +176,3 @@ def _route_to(url: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
-
-
-def _vllm_init_info(transport: str, rank: int, client, address: tuple[str, int], bucket_bytes: int):
-    """vLLM's own GPU engines: nccl (a broadcast group of rank 0 and the engine's workers) or
-    ipc (CUDA IPC handles, the engine on this rank's GPUs)."""
-    if transport == "ipc":
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-    host, port = address
-    workers = client.workers() if client is not None else 1
-    if rank == 0 and not port:
-        with socket.socket() as s:
-            s.bind((host or "", 0))
-            port = s.getsockname()[1]
-    return NCCLTrainerInitInfo(
-        rank=rank, master_address=host or "127.0.0.1", master_port=port, world_size=1 + workers,
-        packed=True, packed_buffer_size_bytes=bucket_bytes,
-    )

@@ -40,7 +40,7 @@ from . import wire
 from .clients import EngineError
 from .delta import Patch, Shadow
 from .source import Export, Gathered, Scratch, by_unit, exports, local_rows, readers
-from .transport import ShmWriter, TcpWriter
+from .transport import transport
 
 
 class ShardwiseSource(WeightSource):
@@ -76,7 +76,7 @@ class ShardwiseTrainerInitInfo(TrainerInitInfo):
     """The trainer's settings for the "shardwise" backend (``rank``: this trainer rank)."""
 
     backend: ClassVar[str] = "shardwise"
-    transport: str = "shm"  # "shm" (one machine) or "tcp" (Gloo, across machines)
+    transport: str = "shm"  # a shardwise transport's name (transport.TRANSPORTS)
     delta: bool = False
     bucket_bytes: int = 64 << 20  # staging memory on rank 0, two alternating halves
     host: str = ""  # tcp: the address of rank 0 the engine's workers connect to
@@ -113,12 +113,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
 
     def _handshake(self) -> None:
         info = self.info
-        if info.transport == "shm":
-            self.writer = ShmWriter(info.bucket_bytes)
-        elif info.transport == "tcp":
-            self.writer = TcpWriter(info.bucket_bytes, info.host, info.port, info.workers, info.timeout)
-        else:
-            raise EngineError(f"unknown transport {info.transport!r}: 'shm' or 'tcp'")
+        self.writer = transport(info.transport).writer(info)
         declared = [[e.name, wire.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
         payload = {**self.writer.init_info(), "tensors": declared, "delta": info.delta, "timeout": info.timeout}
         # tcp: both sides join the group at once. The engine checks the names first and
@@ -215,7 +210,6 @@ class _Sender:
         for i in range(len(writer.buffers)):
             self.free.put(i)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push")
-        self.rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push-rpc")
         self.packer = wire.Packer(self.acquire, self.ship)
         self.sent = 0
         self.waited = 0.0  # rank 0 blocked on the engine: a bucket to come back, the finish
@@ -262,12 +256,7 @@ class _Sender:
             return
         update = {"version": self.version, "bucket": bucket.index, "nbytes": bucket.used, "entries": bucket.entries}
         try:
-            if self.writer.name == "tcp":  # the engine receives inside its update call
-                call = self.rpc.submit(self.client.update_weights, update)
-                self.writer.send(bucket.index, bucket.used)
-                call.result()
-            else:
-                self.client.update_weights(update)
+            self.writer.deliver(lambda: self.client.update_weights(update), bucket.index, bucket.used)
         except BaseException as e:
             self.error = e
             return
@@ -279,7 +268,6 @@ class _Sender:
         still alive is aborted: delta mode keeps serving the previous version; full mode has
         replaced some layers, so a server stays paused until the next push completes."""
         self.pool.shutdown(wait=self.error is None)
-        self.rpc.shutdown(wait=False)
         e = self.error
         if e is None:
             C.book_sent("weight_sync", self.sent, self.payload, time.perf_counter() - self.t0, self.waited)

@@ -1,14 +1,19 @@
-"""How a push's buckets reach the engine's workers on CPU: shared memory on one machine, a Gloo
-link over TCP across machines. The trainer side (rank 0) owns two staging buffers that
-alternate (one filled while the engine loads the other); the engine side reads what each
-update names.
+"""How a push reaches the engine's workers: the transports, objects registered by name
+(``TRANSPORTS``; ``transport(name)`` gives one). Each knows what the trainer tells vLLM at
+the handshake (``trainer_info``), how a push is sent, and, for shardwise's own, both ends of
+the link. On CPU:
 
-- ``shm``: the buffers are files in /dev/shm mapped by both sides; an update names the buffer
-  it filled, so nothing is copied in transit. The files are unlinked as soon as the engine has
-  mapped them: nothing is left behind when either side dies.
+- ``shm``: shared memory on one machine. Rank 0 owns two staging buffers that alternate (one
+  filled while the engine loads the other), files in /dev/shm mapped by both sides; an update
+  names the buffer it filled, so nothing is copied in transit. The files are unlinked as soon
+  as the engine has mapped them: nothing is left behind when either side dies.
 - ``tcp``: trainer rank 0 and every engine worker form a Gloo group through vLLM's
   ``stateless_init_torch_distributed_process_group`` (rank 0 hosts the rendezvous); each
   bucket is broadcast to the workers while the engine's ``update_weights`` call receives it.
+
+and vLLM's own GPU engines, fed by the same source: ``nccl`` (a broadcast group of rank 0 and
+the engine's workers) and ``ipc`` (CUDA IPC handles, the engine on this rank's GPUs); full
+pushes only, not run here (no GPU).
 """
 
 from __future__ import annotations
@@ -17,18 +22,121 @@ import contextlib
 import os
 import secrets
 import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+
+from .. import collectives as C
+
+
+class Transport:
+    """One way a push reaches the engine's workers."""
+
+    name: ClassVar[str]
+    remote: ClassVar[bool]  # the engine may run on other machines: rank 0's address, its workers
+    delta: ClassVar[bool] = True  # takes delta pushes (changed values only)
+
+    def trainer_info(self, *, rank: int, delta: bool, bucket_bytes: int, host: str, port: int, workers: int,
+                     timeout: float):
+        """vLLM's ``TrainerInitInfo`` for the backend this transport runs on."""
+        from .trainer import ShardwiseTrainerInitInfo
+
+        return ShardwiseTrainerInitInfo(rank=rank, transport=self.name, delta=delta, bucket_bytes=bucket_bytes,
+                                        host=host, port=port, workers=workers, timeout=timeout)
+
+    def send(self, engine, version: int, client, source) -> None:
+        """One push through vLLM's trainer engine (collective)."""
+        engine.send_weights(version=version)
+
+    def writer(self, info):
+        """Trainer rank 0's end, from its ``ShardwiseTrainerInitInfo``."""
+        raise NotImplementedError
+
+    def reader(self, info, rank: int):
+        """An engine worker's end (``rank``: 1 + the worker's index), from the handshake."""
+        raise NotImplementedError
+
+
+class Shm(Transport):
+    name, remote = "shm", False
+
+    def writer(self, info):
+        return ShmWriter(info.bucket_bytes)
+
+    def reader(self, info, rank: int):
+        return ShmReader(info.paths)
+
+
+class Tcp(Transport):
+    name, remote = "tcp", True
+
+    def writer(self, info):
+        return TcpWriter(info.bucket_bytes, info.host, info.port, info.workers, info.timeout)
+
+    def reader(self, info, rank: int):
+        return TcpReader(info.host, info.port, rank, info.world_size, info.timeout)
+
+
+class VllmOwn(Transport):
+    """vLLM's own engines: the trainer's source, vLLM's packing and link."""
+
+    delta = False
+
+    def send(self, engine, version: int, client, source) -> None:
+        if client is not None:
+            client.version = str(version)
+        t0 = time.perf_counter()
+        engine.send_weights()
+        if client is not None:
+            nbytes = sum(e.nbytes for e in source.exports)
+            C.book_sent("weight_sync", nbytes, nbytes, time.perf_counter() - t0, 0.0)
+
+
+class Nccl(VllmOwn):
+    name, remote = "nccl", True
+
+    def trainer_info(self, *, rank, delta, bucket_bytes, host, port, workers, timeout):
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        if rank == 0 and not port:
+            with socket.socket() as s:
+                s.bind((host or "", 0))
+                port = s.getsockname()[1]
+        return NCCLTrainerInitInfo(
+            rank=rank, master_address=host or "127.0.0.1", master_port=port, world_size=1 + workers,
+            packed=True, packed_buffer_size_bytes=bucket_bytes,
+        )
+
+
+class Ipc(VllmOwn):
+    name, remote = "ipc", False
+
+    def trainer_info(self, *, rank, delta, bucket_bytes, host, port, workers, timeout):
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)
+
+
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Shm(), Tcp(), Nccl(), Ipc())}
+
+
+def transport(name: str) -> Transport:
+    """The transport of a name (the one place names are looked up)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}: one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
 
 SHM_DIR = "/dev/shm"
 
 
 class ShmWriter:
     """Trainer side of the shared-memory transport."""
-
-    name = "shm"
 
     def __init__(self, bucket_bytes: int):
         half = bucket_bytes // 2
@@ -50,8 +158,9 @@ class ShmWriter:
         """The engine has mapped the files: unlink them (the mappings stay)."""
         self._unlink()
 
-    def send(self, index: int, nbytes: int) -> None:
-        """Nothing to move: the engine reads the buffer where it lies."""
+    def deliver(self, update: Callable[[], None], index: int, nbytes: int) -> None:
+        """The engine's update call reads the buffer where it lies: nothing to move."""
+        update()
 
     def close(self) -> None:
         self._unlink()
@@ -66,8 +175,6 @@ class ShmWriter:
 class TcpWriter:
     """Trainer side of the Gloo transport: rank 0 of a group with the engine's workers."""
 
-    name = "tcp"
-
     def __init__(self, bucket_bytes: int, host: str, port: int, workers: int, timeout: float):
         half = bucket_bytes // 2
         self.buffers = [torch.empty(half, dtype=torch.uint8) for _ in range(2)]
@@ -76,6 +183,7 @@ class TcpWriter:
         self.world = 1 + workers
         self.timeout = timeout
         self.group = None
+        self.rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push-rpc")
 
     def init_info(self) -> dict:
         return {"transport": "tcp", "host": self.host, "port": self.port, "world_size": self.world}
@@ -94,10 +202,14 @@ class TcpWriter:
     def connected(self) -> None:
         pass
 
-    def send(self, index: int, nbytes: int) -> None:
+    def deliver(self, update: Callable[[], None], index: int, nbytes: int) -> None:
+        """The engine receives inside its update call: make it beside the broadcast."""
+        call = self.rpc.submit(update)
         broadcast(self.group, self.buffers[index][:nbytes])
+        call.result()
 
     def close(self) -> None:
+        self.rpc.shutdown(wait=False)
         if self.listener is not None:
             self.listener.close()
             self.listener = None

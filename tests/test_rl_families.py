@@ -1,0 +1,79 @@
+"""Every decoder family transformers and vLLM both load takes a push: one tiny random model per
+family (``rl_engines.FAMILIES``, written by ``save_pretrained``), served by ``vllm serve`` in
+fp32, trained at N=2 full_shard for a few steps, pushed with the default wire dtype (the
+engine's), and then the engine's greedy tokens and their logprobs must be transformers' on the
+gathered model (within 1e-4) and differ from what it generated before the push.
+
+Slow (marked ``slow``, run in CI): one engine boot per family, 20-30 s each on two cores. The
+engines boot one ahead: the next family's starts while the current one is tested, so that at
+most two run at once."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+
+import rl_engines as E
+from pool import WorkerError
+
+pytestmark = pytest.mark.slow
+# Mixtral: vLLM loads its checkpoint (per-expert w1/w2/w3 under block_sparse_moe, as
+# save_pretrained writes it), but a push sends transformers 5's in-memory names (the fused
+# mlp.experts.gate_up_proj), which vLLM's Mixtral loader does not take: the handshake refuses
+# it, naming the tensors. Qwen3-MoE's loader takes both. Not fixed yet (docs/rl.md).
+MIXTRAL_GAP = pytest.mark.xfail(strict=True, raises=WorkerError, reason="pushes transformers 5's fused expert names; vLLM's Mixtral "
+                                "loader takes only the per-expert checkpoint names")
+KINDS = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3", "olmo2", "gpt_neox",
+         "moe", pytest.param("mixtral", marks=MIXTRAL_GAP)]
+
+
+class OneAhead:
+    """The matrix's engines in the order the session runs the families: asking for one stops
+    the one before and starts the one after."""
+
+    def __init__(self, kinds: list[str]):
+        self.kinds, self.root = kinds, Path(tempfile.mkdtemp(prefix="shardwise-vllm-families-"))
+        self.up: dict[str, E.Server] = {}
+
+    def serve(self, kind: str) -> E.Server:
+        for k in [k for k in self.up if k != kind]:
+            self.up.pop(k).stop()
+        self._start(kind)
+        i = self.kinds.index(kind)
+        if i + 1 < len(self.kinds):
+            self._start(self.kinds[i + 1])
+        self.up[kind].wait()
+        return self.up[kind]
+
+    def _start(self, kind: str) -> None:
+        if kind not in self.up:
+            self.up[kind] = E.Server(kind, self.root, E.free_port())
+            self.up[kind].start()
+
+    def stop(self) -> None:
+        for server in self.up.values():
+            server.stop()
+        self.up.clear()
+
+
+@pytest.fixture(scope="module")
+def engines(request):
+    selected = [item.callspec.params["kind"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    one_ahead = OneAhead(selected)
+    yield one_ahead
+    one_ahead.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_family_takes_a_push(pools, engines, kind):
+    server = engines.serve(kind)
+    before = server.generate()
+    ranks = pools(2)
+    ranks.run(E.warm)
+    results = ranks.run(E.push_job, server.url, kind, seed=40, steps_between=3)
+    E.check_push(server, results[0], kind, before=before)
