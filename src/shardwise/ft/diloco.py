@@ -1,0 +1,168 @@
+"""DiLoCo on the replica axis: each replica group (torchrun job) takes ``sync_every`` inner
+steps with no traffic across groups, then the groups average their pseudo-gradients (the
+global parameters at the round's start minus this group's parameters now) and an outer
+optimizer (Nesterov SGD) moves the global parameters by that average.
+
+Inside a job sharding is unchanged: rank r holds its shard of every parameter, and shard
+index r of every group exchanges only its shard's pseudo-gradient (one flat buffer a round)
+through torchft's ``Manager``, as the per-step average does (``Torchft.all_reduce``).
+
+Note [a round is one torchft step]: a round ends with what a step of ``Torchft.optimizer``
+does: the quorum (a group that is behind heals from a live one), the layout check, the
+average through ``Manager.allreduce`` and the commit vote; torchft's step therefore counts
+rounds (after one first quorum before any inner step, which makes every group start from
+the same parameters), and ``ft.step`` counts inner steps: ``(rounds) * sync_every`` plus the
+inner steps of this round. A round whose average fails does not commit: the group goes back
+to the global parameters of its start and trains the round again (``ft.step`` goes back with
+it, so the loop reads the same batches), as torchft's ``DiLoCo`` discards a failed sync.
+
+What a live group serves a joining one (ft/heal.py's snapshot) holds the global parameters
+(not this group's inner ones), the inner and the outer optimizer's state. A group that healed
+at a round's end takes no part in that round's average (it has no inner steps of its own in
+it): it sends zeros and the others' average is taken over the groups that do
+(``_contributing``), then it takes the same outer step as they do and trains the next round.
+
+Built on torchft's ``Manager`` (quorum, allreduce, commit, heal) but not its ``DiLoCo``:
+that one counts torchft's steps as rounds (scripts here count inner steps), holds whole
+``nn.Module`` fragments (here each rank holds shards), and registers its own state with the
+manager, which here serves shardwise's per-rank snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..checkpoint.state import param_slots
+from ..errors import ShardwiseError
+
+if TYPE_CHECKING:
+    from .replicas import Torchft
+
+
+class DiLoCo:
+    """The inner optimizer under DiLoCo (``Torchft.diloco``): ``zero_grad`` and ``step`` are
+    the inner optimizer's (no traffic across groups), and every ``sync_every``-th ``step``
+    ends the round (the module's docstring); returns whether that step's round committed
+    (True on inner steps). Iterating it gives the inner and the outer optimizer."""
+
+    def __init__(self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer):
+        self.ft, self.inner, self.outer, self.sync_every = ft, inner, outer, sync_every
+        self.local = 0  # inner steps taken in this round
+        self.params = [p for g in inner.param_groups for p in g["params"]]
+        self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
+        self.backup = [p.detach().clone() for p in self.params]  # the global parameters
+        self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
+        self._started = False
+
+    # --- the loop's calls
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        while not self._started:  # Note [a round is one torchft step]: one quorum before any step
+            self.ft.begin_step()
+            self._started = self.ft.commit()  # (FaultToleranceError after max_failed_steps)
+            self.sitting_out = False
+        self.ft._in_step = True  # (the units' average across groups is skipped: Torchft.all_reduce)
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure=None) -> bool:
+        if closure is not None:
+            raise ShardwiseError("a DiLoCo step takes no closure")
+        if not self._started:
+            raise ShardwiseError("opt.step() without opt.zero_grad() first")
+        self.ft._in_step = False
+        self.inner.step()
+        self.local += 1
+        return self._end_round() if self.local == self.sync_every else True
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter((self.inner, self.outer))
+
+    def __len__(self) -> int:
+        return 2
+
+    # --- the round's end
+    def _end_round(self) -> bool:
+        ft = self.ft
+        ft.begin_step()  # the quorum: a group behind heals here (take)
+        flat = self._pseudo_gradient()
+        share = self._contributing()
+        if share is not None:
+            flat.mul_(share)
+            ft._place.share(ft._manager.allreduce(flat) if ft._manager is not None else None, flat).wait()
+        elif ft._place.replicas is not None:
+            ft._place.share(None, flat).wait()
+        committed = ft.commit()
+        self.local = 0
+        with torch.no_grad():
+            for p, b in zip(self.params, self.backup, strict=True):
+                p.copy_(b)
+            if committed:
+                offset = 0
+                for p in self.params:
+                    p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                    offset += p.numel()
+                self.outer.step()
+                self.outer.zero_grad(set_to_none=True)
+                for p, b in zip(self.params, self.backup, strict=True):
+                    b.copy_(p)
+        self.sitting_out = False
+        return committed
+
+    def _pseudo_gradient(self) -> torch.Tensor:
+        """The global parameters minus this group's, flat in fp32 (zeros where it sits out)."""
+        total = sum(p.numel() for p in self.params)
+        flat = torch.zeros(total, dtype=torch.float32, device=self.backup[0].device if self.backup else None)
+        if not self.sitting_out:
+            offset = 0
+            for p, b in zip(self.params, self.backup, strict=True):
+                flat[offset : offset + p.numel()].copy_((b.float() - p.detach().float()).flatten())
+                offset += p.numel()
+        return flat
+
+    def _contributing(self) -> float | None:
+        """On a rank that runs a manager: the factor on its pseudo-gradient, so that the
+        groups' average is taken over those that contribute, each weighted by its ranks (Note
+        [jobs of different sizes]); None elsewhere."""
+        ft = self.ft
+        if ft._manager is None:
+            return None
+        mine = 0.0 if self.sitting_out else ft._told["weight"]
+        seen = torch.tensor([mine], dtype=torch.float64)
+        ft._manager.allreduce(seen).wait()
+        return mine / seen.item() if seen.item() > 0 else 0.0
+
+    # --- healing (Torchft's snapshot and take)
+    def snapshot(self, served: dict) -> dict:
+        """What a joining rank takes: ``served`` (ft/heal.py's snapshot) with the global
+        parameters in place of this group's inner ones."""
+        return {**served, "params": {self.names[id(p)]: b for p, b in zip(self.params, self.backup, strict=True)}}
+
+    def took(self) -> None:
+        """After a heal (the parameters are the live group's global ones): keep them as the
+        global parameters and sit out this round's average."""
+        with torch.no_grad():
+            for p, b in zip(self.params, self.backup, strict=True):
+                b.copy_(p)
+        self.sitting_out = True
+
+
+def nesterov(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (Douillard et al., 2023)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def outer_optimizer_of(make: Callable, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``outer_optimizer(params)``, checked."""
+    outer = make(params)
+    if not isinstance(outer, torch.optim.Optimizer):
+        raise ShardwiseError(
+            "outer_optimizer takes the parameters and returns a torch.optim optimizer, e.g. "
+            "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
+        )
+    return outer
