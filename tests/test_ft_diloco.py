@@ -1,10 +1,14 @@
 """DiLoCo across replica groups (shardwise.ft.Torchft.diloco): two real torchrun jobs of 2
 ranks each (full_shard inside each), on a lighthouse in this process, each reading its own
-batches, take 3 rounds of 3 inner AdamW steps with fp32 pseudo-gradients. Both jobs end with
+batches, take 3 rounds of 3 inner AdamW steps. With fp32 pseudo-gradients both jobs end with
 the same parameters, within 1e-5 of one process that runs each group's inner steps on an
 unsharded copy of the model and the same outer Nesterov step on the groups' averaged
-pseudo-gradient (shard index r of each job exchanges only its shard). This file's main is
-one rank of a job.
+pseudo-gradient (shard index r of each job exchanges only its shard). With top-k + 2-bit
+messages and error feedback they end bitwise equal to each other, having moved only
+elements the messages carried, and the residual and outer optimizer state of each rank come
+back from a shardwise checkpoint. Error feedback itself (what a message drops is sent later: the
+sum over rounds converges) and the top-k message are tested on one process. This file's main
+is one rank of a job.
 
 Skips, naming the extra, where torchft is not installed."""
 
@@ -43,6 +47,96 @@ def test_diloco_of_two_sharded_jobs_equals_one_process_of_the_same_rounds(jobs, 
         assert diff <= 1e-5, f"group {g} differs from one process by {diff}"
     for n in ref:  # (the groups hold the same global parameters)
         assert torch.allclose(got[0]["params"][n], got[1]["params"][n], rtol=0, atol=1e-6), n
+
+
+def test_diloco_with_topk_messages_keeps_groups_equal_and_its_state_survives_a_checkpoint(jobs, lighthouse):  # noqa: F811
+    jobs.lighthouse = lighthouse
+    procs = [jobs.start(g, restarts=0, script=__file__, steps=H * ROUNDS, comm="topk") for g in (0, 1)]
+    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    from nets import make
+
+    from shardwise.ft.topk import CHUNK, K
+
+    start = dict(make("tied").named_parameters())
+    for n in start:
+        assert torch.equal(got[0]["params"][n], got[1]["params"][n]), n
+    # each round moves at most the K elements per chunk each group sent (the outer momentum
+    # moves those again): a few of the model's, but some
+    changed = sum(int((got[0]["params"][n] != p.detach()).sum()) for n, p in start.items())
+    total = sum(p.numel() for p in start.values())
+    chunks_per_rank = -(-(total // 2 + 1) // CHUNK)
+    assert 0 < changed <= ROUNDS * 2 * K * 2 * chunks_per_rank < total, (changed, total)
+    for g in (0, 1):
+        assert got[g]["residual"] > 0 and not got[g]["reloaded"], got[g]["reloaded"]  # (what differs)
+
+
+class _OneGroup:
+    """A manager alone in its quorum: the all-gather hands back this group's message."""
+
+    def __init__(self):
+        self._pg = self
+
+    def errored(self):
+        return None
+
+    def num_participants(self) -> int:
+        return 1
+
+    def allgather(self, out, inputs, opts):
+        out[0][0].copy_(inputs[0])
+        return _OneGroup.Done()
+
+    class Done:
+        def wait(self):
+            return True
+
+
+@pytest.mark.parametrize("comm", ["int8", "topk"])
+def test_error_feedback_sends_what_a_message_drops_later(comm):
+    """DiLoCo's own exchange (``_exchange_encoded``) of one pseudo-gradient, round after
+    round: the mean of what arrived tends to it (the residual stays bounded), while one
+    message alone is off by far more."""
+    from types import SimpleNamespace
+
+    from shardwise.ft.diloco import DiLoCo, codec_of
+
+    torch.manual_seed(0)
+    params = [torch.zeros(300, 40), torch.zeros(2000)]
+    d = DiLoCo.__new__(DiLoCo)
+    d.ft, d.params, d.codec = SimpleNamespace(_manager=_OneGroup()), params, codec_of(comm)
+    d.outer = torch.optim.SGD(params, lr=1.0)
+    pseudo = torch.randn(14000) * torch.rand(14000) ** 4  # (magnitudes spread over decades)
+    arrived, errors = torch.zeros_like(pseudo), {}
+    for t in range(1, 201):
+        flat = pseudo.clone()
+        d._exchange_encoded(flat)
+        arrived += flat
+        if t in (1, 200):
+            errors[t] = ((arrived / t) - pseudo).abs().max().item()
+    # sum of arrivals = t * pseudo - residual_t: the mean's error is the residual over t
+    assert torch.allclose(arrived, 200 * pseudo - d._residual(), atol=1e-3)
+    assert errors[200] < errors[1] / 20, errors
+
+
+def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitudes():
+    from shardwise.ft.topk import CHUNK, K, TopK2Bit
+
+    codec = TopK2Bit()
+    x = torch.randn(CHUNK + 1000)
+    message = codec.encode(x)
+    assert message.dtype == torch.uint8 and message.numel() == codec.nbytes(x.numel()) == 2 * (8 + 2 * K + K // 4)
+    y = codec.decode(message, x.numel())
+    for chunk in (slice(0, CHUNK), slice(CHUNK, None)):
+        xs, ys = x[chunk], y[chunk]
+        kept = ys != 0
+        assert kept.sum() == K and torch.equal(kept, xs.abs() >= xs.abs().topk(K).values[-1])
+        assert torch.equal(ys[kept].sign(), xs[kept].sign())
+        mags = xs[kept].abs()
+        high = mags >= mags.median()
+        for part in (high, ~high):  # each half of the K sent as its mean magnitude
+            assert torch.allclose(ys[kept][part].abs(), mags[part].mean().expand(int(part.sum())))
+    assert CHUNK * 4 / codec.nbytes(CHUNK) > 100  # (fp32 bytes over the message's, a whole chunk)
 
 
 def reference() -> tuple[dict, float]:
@@ -89,14 +183,32 @@ def main(cfg: dict) -> None:
         max_failed_steps=200,  # (the first quorum waits for the other job to start)
     )
     model, inner = build(ft, lr=LR)
-    opt = ft.diloco(inner, sync_every=H, outer_optimizer=lambda ps: torch.optim.SGD(ps, **OUTER))
+    outer = lambda ps: torch.optim.SGD(ps, **OUTER)  # noqa: E731
+    opt = ft.diloco(inner, sync_every=H, outer_optimizer=outer, comm=cfg.get("comm"))
     while ft.step < cfg["steps"]:
         opt.zero_grad()
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world)
         assert opt.step(), f"a round did not commit: {ft._manager.errored()}"
     full = shardwise.full_state_dict(model)
+    residual, reloaded = 0.0, []
+    if cfg.get("comm"):  # the outer state (its residual too) through a checkpoint
+        path = Path(cfg["out"]) / f"ck{cfg['group']}"
+        shardwise.save(path, model, opt)
+        shardwise.save(path.with_suffix(".outer"), model, opt.outer)
+        fresh, again = build(None, lr=LR)
+        again_outer = outer([p for g in again.param_groups for p in g["params"]])
+        shardwise.load(path, fresh, again)
+        shardwise.load(path.with_suffix(".outer"), fresh, again_outer)
+        mine = [opt.outer.state[p] for p in opt.params]
+        theirs = [again_outer.state[p] for g in again.param_groups for p in g["params"]]
+        residual = sum(st["residual"].abs().sum().item() for st in mine)
+        reloaded = [
+            (i, sorted(a), sorted(b)) for i, (a, b) in enumerate(zip(mine, theirs, strict=True))
+            if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a)
+        ]
     if rank == 0:
-        torch.save({"params": full, "step": ft.step}, Path(cfg["out"]) / f"g{cfg['group']}-full.pt")
+        torch.save({"params": full, "step": ft.step, "residual": residual, "reloaded": reloaded},
+                   Path(cfg["out"]) / f"g{cfg['group']}-full.pt")
     ft.shutdown()
     dist.destroy_process_group()
 

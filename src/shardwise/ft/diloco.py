@@ -22,6 +22,15 @@ at a round's end takes no part in that round's average (it has no inner steps of
 it): it sends zeros and the others' average is taken over the groups that do
 (``_contributing``), then it takes the same outer step as they do and trains the next round.
 
+Note [error feedback across rounds]: with ``comm="int8"`` or ``"topk"`` each rank sends its
+shard's pseudo-gradient encoded, after adding what encoding dropped from what it sent before
+(its residual), and keeps what this message drops as the next residual: over rounds every
+part of every pseudo-gradient is sent, late. The messages are all-gathered (each group's is
+decoded and the average taken here), over the manager's process group. The residual is this
+rank's own, kept in the outer optimizer's state (a checkpoint of the optimizers saves it); a
+round that does not commit gives it back as it was, and a healed rank starts it from zero
+(another group's residual holds what that group dropped of its own pseudo-gradients).
+
 Built on torchft's ``Manager`` (quorum, allreduce, commit, heal) but not its ``DiLoCo``:
 that one counts torchft's steps as rounds (scripts here count inner steps), holds whole
 ``nn.Module`` fragments (here each rank holds shards), and registers its own state with the
@@ -34,9 +43,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from ..checkpoint.state import param_slots
+from ..codecs import Codec
 from ..errors import ShardwiseError
+from .topk import TopK2Bit
 
 if TYPE_CHECKING:
     from .replicas import Torchft
@@ -46,10 +58,18 @@ class DiLoCo:
     """The inner optimizer under DiLoCo (``Torchft.diloco``): ``zero_grad`` and ``step`` are
     the inner optimizer's (no traffic across groups), and every ``sync_every``-th ``step``
     ends the round (the module's docstring); returns whether that step's round committed
-    (True on inner steps). Iterating it gives the inner and the outer optimizer."""
+    (True on inner steps). Iterating it gives the inner optimizer, so ``shardwise.save(path,
+    model, opt)`` saves the model and the inner optimizer, as for a plain optimizer; the outer
+    optimizer (``opt.outer``, whose state holds the error feedback residuals) goes in a
+    checkpoint of its own, ``shardwise.save(path2, model, opt.outer)``: a checkpoint names
+    optimizer state by parameter, and both optimizers hold the same parameters. Save at a
+    round's end (``ft.step % sync_every == 0``), where the parameters are the global ones."""
 
-    def __init__(self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer):
+    def __init__(
+        self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer, comm: str | None
+    ):
         self.ft, self.inner, self.outer, self.sync_every = ft, inner, outer, sync_every
+        self.codec = codec_of(comm)
         self.local = 0  # inner steps taken in this round
         self.params = [p for g in inner.param_groups for p in g["params"]]
         self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
@@ -81,23 +101,32 @@ class DiLoCo:
         return self.inner.param_groups
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
-        return iter((self.inner, self.outer))
+        return iter((self.inner,))
 
     def __len__(self) -> int:
-        return 2
+        return 1
 
     # --- the round's end
     def _end_round(self) -> bool:
         ft = self.ft
-        ft.begin_step()  # the quorum: a group behind heals here (take)
+        ft.begin_step()  # the quorum: a group behind heals here (took)
+        residual_before = self._residual() if self.codec is not None else None
         flat = self._pseudo_gradient()
         share = self._contributing()
         if share is not None:
             flat.mul_(share)
-            ft._place.share(ft._manager.allreduce(flat) if ft._manager is not None else None, flat).wait()
-        elif ft._place.replicas is not None:
-            ft._place.share(None, flat).wait()
+            if self.codec is None:
+                work = ft._manager.allreduce(flat)
+            else:
+                self._exchange_encoded(flat)
+                work = Done()
+        if ft._place.replicas is not None:  # (the job's other replicas take the first's)
+            ft._place.share(work if share is not None else None, flat).wait()
+        elif share is not None:
+            work.wait()
         committed = ft.commit()
+        if not committed and self.codec is not None:  # (the residual as the round found it)
+            self._set_residual(residual_before)
         self.local = 0
         with torch.no_grad():
             for p, b in zip(self.params, self.backup, strict=True):
@@ -107,7 +136,10 @@ class DiLoCo:
                 for p in self.params:
                     p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
                     offset += p.numel()
+                residuals = {p: self.outer.state[p].pop("residual") for p in self.params if "residual" in self.outer.state[p]}
                 self.outer.step()
+                for p, r in residuals.items():
+                    self.outer.state[p]["residual"] = r
                 self.outer.zero_grad(set_to_none=True)
                 for p, b in zip(self.params, self.backup, strict=True):
                     b.copy_(p)
@@ -124,6 +156,43 @@ class DiLoCo:
                 flat[offset : offset + p.numel()].copy_((b.float() - p.detach().float()).flatten())
                 offset += p.numel()
         return flat
+
+    def _exchange_encoded(self, flat: torch.Tensor) -> None:
+        """The groups' average of ``flat`` (this group's share), each group sending it encoded
+        with its error feedback residual added (Note [error feedback across rounds]): an
+        all-gather of the messages over the manager's process group, errors reported to the
+        manager (the round does not commit), as ``Manager.allreduce`` does."""
+        m, n = self.ft._manager, flat.numel()
+        keep = flat + self._residual()
+        message = self.codec.encode(keep)
+        self._set_residual(keep - self.codec.decode(message, n))
+        if m.errored() is not None:
+            return
+        received = [torch.empty_like(message) for _ in range(m.num_participants())]
+        try:
+            m._pg.allgather([received], [message], AllgatherOptions()).wait()
+        except Exception as e:  # (a group lost in the round)
+            m.report_error(e)
+            return
+        flat.zero_()
+        for r in received:
+            flat.add_(self.codec.decode(r, n))
+        flat.div_(len(received))
+
+    def _residual(self) -> torch.Tensor:
+        """This rank's error feedback residual, flat (kept per parameter in the outer
+        optimizer's state: checkpoints save it with that state)."""
+        parts = [self.outer.state[p].get("residual") for p in self.params]
+        return torch.cat([
+            (r.float() if r is not None else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
+            for r, p in zip(parts, self.params, strict=True)
+        ]) if self.params else torch.zeros(0)
+
+    def _set_residual(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            self.outer.state[p]["residual"] = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
 
     def _contributing(self) -> float | None:
         """On a rank that runs a manager: the factor on its pseudo-gradient, so that the
@@ -149,7 +218,26 @@ class DiLoCo:
         with torch.no_grad():
             for p, b in zip(self.params, self.backup, strict=True):
                 b.copy_(p)
+        for p in self.params:  # (Note [error feedback across rounds])
+            self.outer.state[p].pop("residual", None)
         self.sitting_out = True
+
+
+def codec_of(comm: str | None):
+    """The encoding of the pseudo-gradients: None (fp32), "int8" (shardwise's blockwise int8,
+    codecs.py) or "topk" (SparseLoCo's top-k with 2-bit values, ft/topk.py)."""
+    if comm is None:
+        return None
+    if comm == "int8":
+        return Codec("int8")
+    if comm == "topk":
+        return TopK2Bit()
+    raise ShardwiseError(f"ft.diloco(comm={comm!r}): one of None (fp32), 'int8' or 'topk'")
+
+
+class Done:
+    def wait(self) -> bool:
+        return True
 
 
 def nesterov(params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -55,7 +55,7 @@ from ..checkpoint.state import param_slots
 from ..errors import ShardwiseError
 from ..runtime import runtime_of
 from . import heal
-from .diloco import DiLoCo, nesterov, outer_optimizer_of
+from .diloco import DiLoCo, Done, codec_of, nesterov, outer_optimizer_of
 from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
 from .lighthouse import local_address, reachable
 from .lighthouse import url as lighthouse_url
@@ -191,8 +191,9 @@ class Torchft:
         groups, then the groups average their pseudo-gradients and ``outer_optimizer(params)``
         (default Nesterov SGD, lr 0.7, momentum 0.9) steps the global parameters. ``ft.step``
         counts inner steps. Call once, after ``shard(..., fault_tolerance=self)``, instead of
-        ``optimizer()``. Not done yet: ``fragments`` > 1, ``fragment_sync_delay`` > 0 and a
-        ``comm`` encoding (the pseudo-gradients go in fp32)."""
+        ``optimizer()``. ``comm``: the pseudo-gradients in fp32 (None), shardwise's int8 or
+        SparseLoCo's top-k with 2-bit values ("topk"), both with error feedback. Not done yet:
+        ``fragments`` > 1 and ``fragment_sync_delay`` > 0 (streaming DiLoCo)."""
         if self._model is None:
             raise ShardwiseError("ft.diloco() comes after shardwise.shard(model, ..., fault_tolerance=ft)")
         if self._optimizers:
@@ -201,16 +202,16 @@ class Torchft:
             raise ShardwiseError("ft.diloco() takes the inner torch.optim optimizer of the sharded model")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ShardwiseError(f"ft.diloco(sync_every={sync_every!r}): the inner steps of a round, an int >= 1")
-        if fragments != 1 or fragment_sync_delay != 0 or comm is not None:
+        if fragments != 1 or fragment_sync_delay != 0:
             raise ShardwiseError(
-                f"ft.diloco(fragments={fragments}, fragment_sync_delay={fragment_sync_delay}, comm={comm!r}): "
-                "only fragments=1, fragment_sync_delay=0 and comm=None (fp32 pseudo-gradients) are "
-                "implemented so far"
+                f"ft.diloco(fragments={fragments}, fragment_sync_delay={fragment_sync_delay}): streaming "
+                "DiLoCo is not implemented yet: pass fragments=1, fragment_sync_delay=0"
             )
+        codec_of(comm)  # (checked before anything is built)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         outer = outer_optimizer_of(outer_optimizer, params)
         self._optimizers = [optimizer, outer]
-        self._diloco = DiLoCo(self, optimizer, sync_every, outer)
+        self._diloco = DiLoCo(self, optimizer, sync_every, outer, comm)
         return self._diloco
 
     def shutdown(self) -> None:
@@ -234,7 +235,7 @@ class Torchft:
                 "(opt = ft.optimizer(...)) at the start of every step; it joins the quorum"
             )
         if self._diloco is not None:  # inner steps: nothing crosses groups
-            return _Done()
+            return Done()
         work = None
         if self._manager is not None:
             if self._told["weight"] != 1.0:  # (Note [jobs of different sizes])
@@ -550,11 +551,6 @@ class _Place:
         """The groups' average (``work``, on the first replica) of ``tensor``, on every replica
         of this shard index once waited for."""
         return work if self.replicas is None else _Shared(work, tensor, self.replicas)
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
 
 
 class _Shared:
