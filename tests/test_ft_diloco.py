@@ -119,6 +119,31 @@ def test_error_feedback_sends_what_a_message_drops_later(comm):
     assert errors[200] < errors[1] / 20, errors
 
 
+class _BesideAnother(_OneGroup):
+    """A manager whose all-reduce (max) meets another group holding ``theirs``."""
+
+    def __init__(self, theirs: torch.Tensor):
+        super().__init__()
+        self.theirs = theirs
+
+    def allreduce(self, t: torch.Tensor, reduce_op=None):
+        t.copy_(torch.maximum(t, self.theirs))
+        return _OneGroup.Done()
+
+
+def test_groups_holding_other_global_parameters_are_named_not_averaged():
+    from types import SimpleNamespace
+
+    from shardwise.ft.diloco import DiLoCo
+
+    d = DiLoCo.__new__(DiLoCo)
+    d.backup = [torch.full((3,), 0.5), torch.ones(2)]  # checksum 3.5
+    for theirs, differs in ((3.5, False), (3.25, True)):
+        d.ft = SimpleNamespace(_manager=_BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64)), replica_id="g1")
+        problem = d._check_global()
+        assert (problem is not None) == differs and (not differs or "other global parameters" in problem), problem
+
+
 def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitudes():
     from shardwise.ft.topk import CHUNK, K, TopK2Bit
 

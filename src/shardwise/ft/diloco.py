@@ -31,6 +31,14 @@ rank's own, kept in the outer optimizer's state (a checkpoint of the optimizers 
 round that does not commit gives it back as it was, and a healed rank starts it from zero
 (another group's residual holds what that group dropped of its own pseudo-gradients).
 
+Note [one global model]: a group's first quorum comes before its first inner step; if it
+meets no live group there (they are in the middle of a round, and the lighthouse's join
+timeout is shorter than what is left of it), it starts a round alone from its own parameters
+and is not behind the others when it meets them at a round's end (its step may equal theirs).
+Averaging its pseudo-gradient with theirs would move two different global models as one,
+silently; so every round's end compares a checksum of each group's global parameters and a
+difference ends the round with ``FaultToleranceError``, on every group, saying so.
+
 Built on torchft's ``Manager`` (quorum, allreduce, commit, heal) but not its ``DiLoCo``:
 that one counts torchft's steps as rounds (scripts here count inner steps), holds whole
 ``nn.Module`` fragments (here each rank holds shards), and registers its own state with the
@@ -43,11 +51,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from ..checkpoint.state import param_slots
 from ..codecs import Codec
 from ..errors import ShardwiseError
+from .errors import FaultToleranceError
 from .topk import TopK2Bit
 
 if TYPE_CHECKING:
@@ -75,6 +85,7 @@ class DiLoCo:
         self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
         self.backup = [p.detach().clone() for p in self.params]  # the global parameters
         self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
+        self._mismatch: str | None = None  # Note [one global model]
         self._started = False
 
     # --- the loop's calls
@@ -113,6 +124,9 @@ class DiLoCo:
         residual_before = self._residual() if self.codec is not None else None
         flat = self._pseudo_gradient()
         share = self._contributing()
+        mismatch = ft._place.tell(self._mismatch if share is not None else None)  # (to the job's other replicas)
+        if mismatch is not None:
+            raise FaultToleranceError(mismatch)
         if share is not None:
             flat.mul_(share)
             if self.codec is None:
@@ -204,7 +218,26 @@ class DiLoCo:
         mine = 0.0 if self.sitting_out else ft._told["weight"]
         seen = torch.tensor([mine], dtype=torch.float64)
         ft._manager.allreduce(seen).wait()
+        self._mismatch = self._check_global()
         return mine / seen.item() if seen.item() > 0 else 0.0
+
+    def _check_global(self) -> str | None:
+        """Note [one global model]: every group in the quorum must hold the same global
+        parameters; a checksum of them, as its largest and smallest over the groups (one
+        all-reduce of two numbers), says whether they do."""
+        m = self.ft._manager
+        total = sum((b.double().sum() for b in self.backup), torch.zeros((), dtype=torch.float64))
+        seen = torch.stack([total, -total])
+        m.allreduce(seen, reduce_op=dist.ReduceOp.MAX).wait()
+        if m.errored() is None and seen[0] != -seen[1]:
+            return (
+                f"group '{self.ft.replica_id}' holds other global parameters than another group of "
+                "this round's quorum (a group that joined during the first round, or whose first "
+                "quorum met no live group, started a round of its own): stop that group and start "
+                "it again after the others' next round has begun, or raise the lighthouse's join "
+                "timeout above a round's duration (shardwise lighthouse)"
+            )
+        return None
 
     # --- healing (Torchft's snapshot and take)
     def snapshot(self, served: dict) -> dict:
