@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,33 @@ def test_diloco_with_topk_messages_keeps_groups_equal_and_its_state_survives_a_c
     assert 0 < changed <= ROUNDS * 2 * K * 2 * chunks_per_rank < total, (changed, total)
     for g in (0, 1):
         assert got[g]["residual"] > 0 and not got[g]["reloaded"], got[g]["reloaded"]  # (what differs)
+
+
+@pytest.fixture
+def slow_lighthouse():
+    """A lighthouse whose quorum waits for a live group to end its round (join timeout 30 s):
+    a group that comes back mid-round meets the others at their round's end."""
+    from shardwise.ft.lighthouse import serve
+
+    server = serve(port=0, bind="127.0.0.1", join_timeout_ms=30_000)
+    yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    server.shutdown()
+
+
+def test_a_group_killed_mid_round_is_dropped_and_comes_back_with_the_global_model(jobs, slow_lighthouse):  # noqa: F811
+    jobs.lighthouse = slow_lighthouse
+    cfg = {"steps": 6 * H, "pause": 0.3, "min_replicas": 1, "kill_in": 1}
+    a = jobs.start(0, restarts=0, script=__file__, **cfg)
+    b = jobs.start(1, restarts=1, script=__file__, kill=[H + 1, 1], **cfg)  # rank 1, round 2's 2nd step
+    assert [jobs.wait(a, 300), jobs.wait(b, 300)] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    alone = [r for r in got[0]["rounds"] if r[1] == 1 and r[2]]
+    assert alone, got[0]["rounds"]  # group 0 went on alone while group 1 was away
+    assert got[1]["heal"] is not None and got[1]["heal"][1] > 0, got[1]["heal"]  # (from memory)
+    assert got[1]["run"] == "1" and got[1]["rounds"][0][0] > H + 1, got[1]["rounds"]  # (killed, back later)
+    assert got[0]["rounds"][-1][1:] == (2, True) and got[0]["step"] == got[1]["step"] >= 6 * H
+    for n, v in got[0]["params"].items():  # one global model again
+        assert torch.equal(v, got[1]["params"][n]), n
 
 
 class _OneGroup:
@@ -204,16 +233,29 @@ def main(cfg: dict) -> None:
     shardwise.init(timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
     ft = shardwise.ft.Torchft(
-        lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}", min_replicas=2, timeout=30,
+        lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}",
+        min_replicas=cfg.get("min_replicas", 2), timeout=30, quorum_timeout=60,
         max_failed_steps=200,  # (the first quorum waits for the other job to start)
     )
     model, inner = build(ft, lr=LR)
     outer = lambda ps: torch.optim.SGD(ps, **OUTER)  # noqa: E731
     opt = ft.diloco(inner, sync_every=H, outer_optimizer=outer, comm=cfg.get("comm"))
-    while ft.step < cfg["steps"]:
+    kill, first_run = cfg.get("kill"), os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    rounds = []  # (ft.step, groups in the round's quorum, committed) at each round's end
+    # (with a kill, the jobs go on past ``steps`` until two rounds of both: the same on both)
+    while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-2:]] != [(2, True)] * 2):
+        assert ft.step < 40 * H, "the groups never trained together again"
         opt.zero_grad()
+        if not rounds:  # (the first quorum is a round's end too)
+            rounds.append((ft.step, ft.participants, True))
+        if kill and first_run and ft.step >= kill[0] and ft.step % H == 1 and rank == kill[1]:  # (mid-round, mid-backward)
+            model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world)
-        assert opt.step(), f"a round did not commit: {ft._manager.errored()}"
+        committed = opt.step()
+        if ft.step % H == 0 or not committed:
+            rounds.append((ft.step, ft.participants, committed))
+        assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
+        time.sleep(cfg.get("pause", 0.0))
     full = shardwise.full_state_dict(model)
     residual, reloaded = 0.0, []
     if cfg.get("comm"):  # the outer state (its residual too) through a checkpoint
@@ -232,7 +274,9 @@ def main(cfg: dict) -> None:
             if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a)
         ]
     if rank == 0:
-        torch.save({"params": full, "step": ft.step, "residual": residual, "reloaded": reloaded},
+        heal = ft.last_heal and (ft.last_heal.step, ft.last_heal.bytes)
+        torch.save({"params": full, "step": ft.step, "residual": residual, "reloaded": reloaded, "rounds": rounds,
+                    "heal": heal, "run": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
                    Path(cfg["out"]) / f"g{cfg['group']}-full.pt")
     ft.shutdown()
     dist.destroy_process_group()

@@ -10,9 +10,11 @@ through torchft's ``Manager``, as the per-step average does (``Torchft.all_reduc
 Note [a round is one torchft step]: a round ends with what a step of ``Torchft.optimizer``
 does: the quorum (a group that is behind heals from a live one), the layout check, the
 average through ``Manager.allreduce`` and the commit vote; torchft's step therefore counts
-rounds (after one first quorum before any inner step, which makes every group start from
-the same parameters), and ``ft.step`` counts inner steps: ``(rounds) * sync_every`` plus the
-inner steps of this round. A round whose average fails does not commit: the group goes back
+rounds (after a first one before any inner step, where every group takes the same
+parameters), and ``ft.step`` counts inner steps: ``(rounds) * sync_every`` plus the inner
+steps of this round. A group's first quorum is a round's end with no pseudo-gradient of its
+own: it meets the live groups' round end, whichever it is, with the same collectives (where
+no group contributes, as at a run's start, the global parameters stay). A round whose average fails does not commit: the group goes back
 to the global parameters of its start and trains the round again (``ft.step`` goes back with
 it, so the loop reads the same batches), as torchft's ``DiLoCo`` discards a failed sync.
 
@@ -86,14 +88,14 @@ class DiLoCo:
         self.backup = [p.detach().clone() for p in self.params]  # the global parameters
         self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
         self._mismatch: str | None = None  # Note [one global model]
+        self._anyone = False  # whether any group in the quorum contributed a pseudo-gradient
         self._started = False
 
     # --- the loop's calls
     def zero_grad(self, set_to_none: bool = True) -> None:
-        while not self._started:  # Note [a round is one torchft step]: one quorum before any step
-            self.ft.begin_step()
-            self._started = self.ft.commit()  # (FaultToleranceError after max_failed_steps)
-            self.sitting_out = False
+        while not self._started:  # Note [a round is one torchft step]: a round's end before any step
+            self.sitting_out = True  # (no inner steps yet: FaultToleranceError after max_failed_steps)
+            self._started = self._sync()
         self.ft._in_step = True  # (the units' average across groups is skipped: Torchft.all_reduce)
         self.inner.zero_grad(set_to_none)
 
@@ -105,7 +107,7 @@ class DiLoCo:
         self.ft._in_step = False
         self.inner.step()
         self.local += 1
-        return self._end_round() if self.local == self.sync_every else True
+        return self._sync() if self.local == self.sync_every else True
 
     @property
     def param_groups(self) -> list[dict]:
@@ -118,13 +120,15 @@ class DiLoCo:
         return 1
 
     # --- the round's end
-    def _end_round(self) -> bool:
+    def _sync(self) -> bool:
+        """A round's end: whether it committed."""
         ft = self.ft
         ft.begin_step()  # the quorum: a group behind heals here (took)
         residual_before = self._residual() if self.codec is not None else None
         flat = self._pseudo_gradient()
         share = self._contributing()
-        mismatch = ft._place.tell(self._mismatch if share is not None else None)  # (to the job's other replicas)
+        # (the job's other replicas learn it from the first)
+        mismatch, anyone = ft._place.tell((self._mismatch, self._anyone) if share is not None else None)
         if mismatch is not None:
             raise FaultToleranceError(mismatch)
         if share is not None:
@@ -145,7 +149,7 @@ class DiLoCo:
         with torch.no_grad():
             for p, b in zip(self.params, self.backup, strict=True):
                 p.copy_(b)
-            if committed:
+            if committed and anyone:  # (where no group contributed, the global parameters stay)
                 offset = 0
                 for p in self.params:
                     p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
@@ -218,7 +222,7 @@ class DiLoCo:
         mine = 0.0 if self.sitting_out else ft._told["weight"]
         seen = torch.tensor([mine], dtype=torch.float64)
         ft._manager.allreduce(seen).wait()
-        self._mismatch = self._check_global()
+        self._mismatch, self._anyone = self._check_global(), seen.item() > 0
         return mine / seen.item() if seen.item() > 0 else 0.0
 
     def _check_global(self) -> str | None:
