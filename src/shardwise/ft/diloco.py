@@ -239,7 +239,7 @@ class DiLoCo:
                 "this round's quorum (a group that joined during the first round, or whose first "
                 "quorum met no live group, started a round of its own): stop that group and start "
                 "it again after the others' next round has begun, or raise the lighthouse's join "
-                "timeout above a round's duration (shardwise lighthouse)"
+                "timeout above a round's duration (shardwise lighthouse --join-timeout-ms)"
             )
         return None
 
