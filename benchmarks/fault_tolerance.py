@@ -177,8 +177,6 @@ class Nodes:
     def env(self) -> dict:
         return {
             "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": self.lighthouse, "RUST_LOG": "warn",
-            # a restarted job's ranks must not read the store keys of the run before
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
 
     def start_lighthouse(self) -> None:

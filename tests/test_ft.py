@@ -83,16 +83,13 @@ class Jobs:
     def __init__(self, out: Path):
         self.out, self.lighthouse, self.procs = out, "", []
 
-    def start(self, group: int, nproc: int = 2, restarts: int = 1, **cfg) -> subprocess.Popen:
+    def start(self, group: int, nproc: int = 2, restarts: int = 1, script: str | None = None, **cfg) -> subprocess.Popen:
+        """Job ``group`` of ``nproc`` ranks running ``script`` (default ft_job.py) with ``cfg``."""
         cfg = {"group": group, "out": str(self.out), **cfg}
-        env = {
-            **os.environ, "TORCHFT_LIGHTHOUSE": self.lighthouse, "OMP_NUM_THREADS": "1",
-            # a restarted job's ranks must not read the store keys of the run before
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        }
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": self.lighthouse, "OMP_NUM_THREADS": "1"}
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(HERE / "ft_job.py"), json.dumps(cfg),
+            "--max-restarts", str(restarts), "--monitor-interval", "0.5", script or str(HERE / "ft_job.py"), json.dumps(cfg),
         ]
         log = open(self.out / f"g{group}.log", "w")  # noqa: SIM115 (the child holds it)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -317,7 +314,7 @@ def test_an_unreachable_lighthouse_is_named_at_start(pools):
 def test_shardwise_train_with_fault_tolerance(tmp_path, lighthouse):
     """The main job as one replica group (the others' part is the tests above): it trains,
     and keeps its checkpoints, with the committed step count, under its group's name."""
-    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "shardwise",
         "train", "--fault-tolerance", "--replica-id", "node0", "--model-size", "tiny", "--steps", "4",

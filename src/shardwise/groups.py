@@ -7,6 +7,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,13 +43,68 @@ def init(*, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> N
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     pg_timeout = timedelta(seconds=timeout)
-    if all(v in os.environ for v in _TORCHRUN_VARS):
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # (torchrun's default)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _attempt_store(rank, world, pg_timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=pg_timeout)
+    elif all(v in os.environ for v in _TORCHRUN_VARS):
         dist.init_process_group(backend, timeout=pg_timeout)
     else:
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
     atexit.register(_leave, dist.group.WORLD.group_name)
+
+
+# Note [a restarted job's store]: torchrun's agent hosts the store its workers rendezvous in
+# (MASTER_ADDR:MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True) and keeps it across the restarts
+# of --max-restarts. torch's env:// rendezvous writes the same keys in it at every attempt, so a
+# restarted worker may read the addresses of the dead attempt's ranks (seen: 4 restarts in 5
+# failed, Gloo's connectFullMesh refused or timed out), unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# gives every attempt a fresh store. TORCHELASTIC_RESTART_COUNT cannot name the attempt: on a
+# job of several nodes, a node restarted for a peer's failure does not count it. So rank 0 names
+# the attempt with a fresh token, and every other rank proves the token it read is this
+# attempt's: it writes a nonce of its own under the token and waits for rank 0 to echo it; a
+# token left by a dead attempt gets no echo, and the rank reads the token again. The default
+# group and every group made from it then keep their keys under the token.
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The agent's store, under a prefix that names this attempt of the job alone (Note [a
+    restarted job's store])."""
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    if rank == 0:
+        token = uuid.uuid4().hex
+        shared.set("shardwise/attempt", token)
+        hellos = [f"shardwise/{token}/hello/{r}" for r in range(1, world)]
+        if hellos:
+            _wait(shared, hellos, timeout, "the job's other ranks did not join this attempt")
+        for key in hellos:
+            shared.set(f"{key}/{shared.get(key).decode()}", "")
+        return dist.PrefixStore(f"shardwise/{token}/", shared)
+    nonce, deadline = uuid.uuid4().hex, time.monotonic() + timeout.total_seconds()
+    while True:
+        token = shared.get("shardwise/attempt").decode()
+        hello = f"shardwise/{token}/hello/{rank}"
+        shared.set(hello, nonce)
+        try:
+            shared.wait([f"{hello}/{nonce}"], timedelta(seconds=1))
+            return dist.PrefixStore(f"shardwise/{token}/", shared)
+        except dist.DistStoreError:
+            if time.monotonic() > deadline:
+                raise ShardwiseError(
+                    f"rank {rank}: rank 0 of this attempt did not answer in the job's store at "
+                    f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout}: "
+                    "is rank 0 running? (torchrun starts every rank of an attempt together)"
+                ) from None
+
+
+def _wait(store: dist.Store, keys: list[str], timeout: timedelta, problem: str) -> None:
+    try:
+        store.wait(keys, timeout)
+    except dist.DistStoreError:
+        raise ShardwiseError(f"{problem} within {timeout} (the job's store at "
+                             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']})") from None
 
 
 # Note [exit]: a Gloo collective's work, with the tensors it holds, is often released by the

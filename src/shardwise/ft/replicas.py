@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -55,6 +55,7 @@ from ..checkpoint.state import param_slots
 from ..errors import ShardwiseError
 from ..runtime import runtime_of
 from . import heal
+from .diloco import DiLoCo, Done, codec_of, nesterov, outer_optimizer_of
 from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
 from .lighthouse import local_address, reachable
 from .lighthouse import url as lighthouse_url
@@ -136,12 +137,17 @@ class Torchft:
         self._healed: dict | None = None  # the state this rank healed to, for the job's other replicas
         self._layout: dict | None = None  # what this rank holds (heal.layout), once the optimizers are known
         self._fingerprint: torch.Tensor | None = None
+        self._diloco: DiLoCo | None = None  # set by diloco(): rounds of inner steps (ft/diloco.py)
 
     # --- what users read
     @property
     def step(self) -> int:
-        """Committed steps so far (the same on every live group once ``zero_grad`` returned)."""
-        return self._manager.current_step() if self._manager is not None else self._told["state"]["step"]
+        """Committed steps so far (the same on every live group once ``zero_grad`` returned).
+        Under ``diloco``, inner steps: those of the committed rounds and of this round."""
+        step = self._manager.current_step() if self._manager is not None else self._told["state"]["step"]
+        if self._diloco is None:
+            return step
+        return max(0, step - 1) * self._diloco.sync_every + self._diloco.local  # Note [a round is one torchft step]
 
     @property
     def participants(self) -> int:
@@ -170,6 +176,44 @@ class Torchft:
         self._optimizers = list(optimizers)
         return FaultTolerantOptimizer(self, self._optimizers)
 
+    def diloco(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = nesterov,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        comm: str | None = None,
+    ) -> DiLoCo:
+        """Train with DiLoCo across the groups (ft/diloco.py): ``optimizer`` (the inner one,
+        over the sharded model's parameters) steps ``sync_every`` times with no traffic across
+        groups, then the groups average their pseudo-gradients and ``outer_optimizer(params)``
+        (default Nesterov SGD, lr 0.7, momentum 0.9) steps the global parameters. ``ft.step``
+        counts inner steps. Call once, after ``shard(..., fault_tolerance=self)``, instead of
+        ``optimizer()``. ``comm``: the pseudo-gradients in fp32 (None), shardwise's int8 or
+        SparseLoCo's top-k with 2-bit values ("topk"), both with error feedback. Not done yet:
+        ``fragments`` > 1 and ``fragment_sync_delay`` > 0 (streaming DiLoCo)."""
+        if self._model is None:
+            raise ShardwiseError("ft.diloco() comes after shardwise.shard(model, ..., fault_tolerance=ft)")
+        if self._optimizers:
+            raise ShardwiseError("ft.diloco() or ft.optimizer() was called already: call one of them, once")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ShardwiseError("ft.diloco() takes the inner torch.optim optimizer of the sharded model")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ShardwiseError(f"ft.diloco(sync_every={sync_every!r}): the inner steps of a round, an int >= 1")
+        if fragments != 1 or fragment_sync_delay != 0:
+            raise ShardwiseError(
+                f"ft.diloco(fragments={fragments}, fragment_sync_delay={fragment_sync_delay}): streaming "
+                "DiLoCo is not implemented yet: pass fragments=1, fragment_sync_delay=0"
+            )
+        codec_of(comm)  # (checked before anything is built)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        outer = outer_optimizer_of(outer_optimizer, params)
+        self._optimizers = [optimizer, outer]
+        self._diloco = DiLoCo(self, optimizer, sync_every, outer, comm)
+        return self._diloco
+
     def shutdown(self) -> None:
         """Leave the quorum and stop this rank's servers (call at the end of training)."""
         if self._manager is not None:
@@ -190,6 +234,8 @@ class Torchft:
                 "a backward reduced gradients outside a fault-tolerant step: call opt.zero_grad() "
                 "(opt = ft.optimizer(...)) at the start of every step; it joins the quorum"
             )
+        if self._diloco is not None:  # inner steps: nothing crosses groups
+            return Done()
         work = None
         if self._manager is not None:
             if self._told["weight"] != 1.0:  # (Note [jobs of different sizes])
@@ -198,7 +244,7 @@ class Torchft:
         return self._place.share(work, tensor)
 
     def size(self) -> int:
-        return self.participants
+        return 1 if self._diloco is not None else self.participants
 
     # --- the manager
     def _start_manager(self) -> None:
@@ -292,6 +338,8 @@ class Torchft:
         healed = self.last_heal
         try:
             self._snapshot = heal.snapshot(self._runtime, self._optimizers, scaler, self._layout)
+            if self._diloco is not None:
+                self._snapshot = self._diloco.snapshot(self._snapshot)
             self._transport.failed = None
             self._quorum()
             if self._transport.failed is not None:
@@ -316,6 +364,8 @@ class Torchft:
         state, self._healed = self._place.tell(self._healed), None
         if self._manager is None:
             heal.apply(self._runtime, self._optimizers, scaler, state, self._layout, "the job's first replica")
+            if self._diloco is not None:
+                self._diloco.took()
             self.last_heal = Heal(self.step, _tensor_bytes(state), time.perf_counter() - t0)
 
     def _quorum(self) -> None:
@@ -405,6 +455,8 @@ class Torchft:
         t0 = time.perf_counter()
         received = self._transport.received
         heal.apply(self._runtime, self._optimizers, self._runtime.grad_scaler, state, self._layout, received.source)
+        if self._diloco is not None:
+            self._diloco.took()
         if self._place.replicas is not None:  # the job's other replicas take it next (_share_heal)
             self._healed = state
         self.last_heal = Heal(self._manager.current_step(), received.bytes, received.seconds + time.perf_counter() - t0)

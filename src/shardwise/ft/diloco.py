@@ -1,0 +1,293 @@
+"""DiLoCo on the replica axis: each replica group (torchrun job) takes ``sync_every`` inner
+steps with no traffic across groups, then the groups average their pseudo-gradients (the
+global parameters at the round's start minus this group's parameters now) and an outer
+optimizer (Nesterov SGD) moves the global parameters by that average.
+
+Inside a job sharding is unchanged: rank r holds its shard of every parameter, and shard
+index r of every group exchanges only its shard's pseudo-gradient (one flat buffer a round)
+through torchft's ``Manager``, as the per-step average does (``Torchft.all_reduce``).
+
+Note [a round is one torchft step]: a round ends with what a step of ``Torchft.optimizer``
+does: the quorum (a group that is behind heals from a live one), the layout check, the
+average through ``Manager.allreduce`` and the commit vote; torchft's step therefore counts
+rounds (after a first one before any inner step, where every group takes the same
+parameters), and ``ft.step`` counts inner steps: ``(rounds) * sync_every`` plus the inner
+steps of this round. A group's first quorum is a round's end with no pseudo-gradient of its
+own: it meets the live groups' round end, whichever it is, with the same collectives (where
+no group contributes, as at a run's start, the global parameters stay). A round whose average fails does not commit: the group goes back
+to the global parameters of its start and trains the round again (``ft.step`` goes back with
+it, so the loop reads the same batches), as torchft's ``DiLoCo`` discards a failed sync.
+
+What a live group serves a joining one (ft/heal.py's snapshot) holds the global parameters
+(not this group's inner ones), the inner and the outer optimizer's state. A group that healed
+at a round's end takes no part in that round's average (it has no inner steps of its own in
+it): it sends zeros and the others' average is taken over the groups that do
+(``_contributing``), then it takes the same outer step as they do and trains the next round.
+
+Note [error feedback across rounds]: with ``comm="int8"`` or ``"topk"`` each rank sends its
+shard's pseudo-gradient encoded, after adding what encoding dropped from what it sent before
+(its residual), and keeps what this message drops as the next residual: over rounds every
+part of every pseudo-gradient is sent, late. The messages are all-gathered (each group's is
+decoded and the average taken here), over the manager's process group. The residual is this
+rank's own, kept in the outer optimizer's state (a checkpoint of the optimizers saves it); a
+round that does not commit gives it back as it was, and a healed rank starts it from zero
+(another group's residual holds what that group dropped of its own pseudo-gradients).
+
+Note [one global model]: a group's first quorum comes before its first inner step; if it
+meets no live group there (they are in the middle of a round, and the lighthouse's join
+timeout is shorter than what is left of it), it starts a round alone from its own parameters
+and is not behind the others when it meets them at a round's end (its step may equal theirs).
+Averaging its pseudo-gradient with theirs would move two different global models as one,
+silently; so every round's end compares a checksum of each group's global parameters and a
+difference ends the round with ``FaultToleranceError``, on every group, saying so.
+
+Built on torchft's ``Manager`` (quorum, allreduce, commit, heal) but not its ``DiLoCo``:
+that one counts torchft's steps as rounds (scripts here count inner steps), holds whole
+``nn.Module`` fragments (here each rank holds shards), and registers its own state with the
+manager, which here serves shardwise's per-rank snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from ..checkpoint.state import param_slots
+from ..codecs import Codec
+from ..errors import ShardwiseError
+from .errors import FaultToleranceError
+from .topk import TopK2Bit
+
+if TYPE_CHECKING:
+    from .replicas import Torchft
+
+
+class DiLoCo:
+    """The inner optimizer under DiLoCo (``Torchft.diloco``): ``zero_grad`` and ``step`` are
+    the inner optimizer's (no traffic across groups), and every ``sync_every``-th ``step``
+    ends the round (the module's docstring); returns whether that step's round committed
+    (True on inner steps). Iterating it gives the inner optimizer, so ``shardwise.save(path,
+    model, opt)`` saves the model and the inner optimizer, as for a plain optimizer; the outer
+    optimizer (``opt.outer``, whose state holds the error feedback residuals) goes in a
+    checkpoint of its own, ``shardwise.save(path2, model, opt.outer)``: a checkpoint names
+    optimizer state by parameter, and both optimizers hold the same parameters. Save at a
+    round's end (``ft.step % sync_every == 0``), where the parameters are the global ones."""
+
+    def __init__(
+        self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer, comm: str | None
+    ):
+        self.ft, self.inner, self.outer, self.sync_every = ft, inner, outer, sync_every
+        self.codec = codec_of(comm)
+        self.local = 0  # inner steps taken in this round
+        self.params = [p for g in inner.param_groups for p in g["params"]]
+        self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
+        self.backup = [p.detach().clone() for p in self.params]  # the global parameters
+        self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
+        self._mismatch: str | None = None  # Note [one global model]
+        self._anyone = False  # whether any group in the quorum contributed a pseudo-gradient
+        self._started = False
+
+    # --- the loop's calls
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        while not self._started:  # Note [a round is one torchft step]: a round's end before any step
+            self.sitting_out = True  # (no inner steps yet: FaultToleranceError after max_failed_steps)
+            self._started = self._sync()
+        self.ft._in_step = True  # (the units' average across groups is skipped: Torchft.all_reduce)
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure=None) -> bool:
+        if closure is not None:
+            raise ShardwiseError("a DiLoCo step takes no closure")
+        if not self._started:
+            raise ShardwiseError("opt.step() without opt.zero_grad() first")
+        self.ft._in_step = False
+        self.inner.step()
+        self.local += 1
+        return self._sync() if self.local == self.sync_every else True
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter((self.inner,))
+
+    def __len__(self) -> int:
+        return 1
+
+    # --- the round's end
+    def _sync(self) -> bool:
+        """A round's end: whether it committed."""
+        ft = self.ft
+        ft.begin_step()  # the quorum: a group behind heals here (took)
+        residual_before = self._residual() if self.codec is not None else None
+        flat = self._pseudo_gradient()
+        share = self._contributing()
+        # (the job's other replicas learn it from the first)
+        mismatch, anyone = ft._place.tell((self._mismatch, self._anyone) if share is not None else None)
+        if mismatch is not None:
+            raise FaultToleranceError(mismatch)
+        if share is not None:
+            flat.mul_(share)
+            if self.codec is None:
+                work = ft._manager.allreduce(flat)
+            else:
+                self._exchange_encoded(flat)
+                work = Done()
+        if ft._place.replicas is not None:  # (the job's other replicas take the first's)
+            ft._place.share(work if share is not None else None, flat).wait()
+        elif share is not None:
+            work.wait()
+        committed = ft.commit()
+        if not committed and self.codec is not None:  # (the residual as the round found it)
+            self._set_residual(residual_before)
+        self.local = 0
+        with torch.no_grad():
+            for p, b in zip(self.params, self.backup, strict=True):
+                p.copy_(b)
+            if committed and anyone:  # (where no group contributed, the global parameters stay)
+                offset = 0
+                for p in self.params:
+                    p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                    offset += p.numel()
+                residuals = {p: self.outer.state[p].pop("residual") for p in self.params if "residual" in self.outer.state[p]}
+                self.outer.step()
+                for p, r in residuals.items():
+                    self.outer.state[p]["residual"] = r
+                self.outer.zero_grad(set_to_none=True)
+                for p, b in zip(self.params, self.backup, strict=True):
+                    b.copy_(p)
+        self.sitting_out = False
+        return committed
+
+    def _pseudo_gradient(self) -> torch.Tensor:
+        """The global parameters minus this group's, flat in fp32 (zeros where it sits out)."""
+        total = sum(p.numel() for p in self.params)
+        flat = torch.zeros(total, dtype=torch.float32, device=self.backup[0].device if self.backup else None)
+        if not self.sitting_out:
+            offset = 0
+            for p, b in zip(self.params, self.backup, strict=True):
+                flat[offset : offset + p.numel()].copy_((b.float() - p.detach().float()).flatten())
+                offset += p.numel()
+        return flat
+
+    def _exchange_encoded(self, flat: torch.Tensor) -> None:
+        """The groups' average of ``flat`` (this group's share), each group sending it encoded
+        with its error feedback residual added (Note [error feedback across rounds]): an
+        all-gather of the messages over the manager's process group, errors reported to the
+        manager (the round does not commit), as ``Manager.allreduce`` does."""
+        m, n = self.ft._manager, flat.numel()
+        keep = flat + self._residual()
+        message = self.codec.encode(keep)
+        self._set_residual(keep - self.codec.decode(message, n))
+        if m.errored() is not None:
+            return
+        received = [torch.empty_like(message) for _ in range(m.num_participants())]
+        try:
+            m._pg.allgather([received], [message], AllgatherOptions()).wait()
+        except Exception as e:  # (a group lost in the round)
+            m.report_error(e)
+            return
+        flat.zero_()
+        for r in received:
+            flat.add_(self.codec.decode(r, n))
+        flat.div_(len(received))
+
+    def _residual(self) -> torch.Tensor:
+        """This rank's error feedback residual, flat (kept per parameter in the outer
+        optimizer's state: checkpoints save it with that state)."""
+        parts = [self.outer.state[p].get("residual") for p in self.params]
+        return torch.cat([
+            (r.float() if r is not None else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
+            for r, p in zip(parts, self.params, strict=True)
+        ]) if self.params else torch.zeros(0)
+
+    def _set_residual(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            self.outer.state[p]["residual"] = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def _contributing(self) -> float | None:
+        """On a rank that runs a manager: the factor on its pseudo-gradient, so that the
+        groups' average is taken over those that contribute, each weighted by its ranks (Note
+        [jobs of different sizes]); None elsewhere."""
+        ft = self.ft
+        if ft._manager is None:
+            return None
+        mine = 0.0 if self.sitting_out else ft._told["weight"]
+        seen = torch.tensor([mine], dtype=torch.float64)
+        ft._manager.allreduce(seen).wait()
+        self._mismatch, self._anyone = self._check_global(), seen.item() > 0
+        return mine / seen.item() if seen.item() > 0 else 0.0
+
+    def _check_global(self) -> str | None:
+        """Note [one global model]: every group in the quorum must hold the same global
+        parameters; a checksum of them, as its largest and smallest over the groups (one
+        all-reduce of two numbers), says whether they do."""
+        m = self.ft._manager
+        total = sum((b.double().sum() for b in self.backup), torch.zeros((), dtype=torch.float64))
+        seen = torch.stack([total, -total])
+        m.allreduce(seen, reduce_op=dist.ReduceOp.MAX).wait()
+        if m.errored() is None and seen[0] != -seen[1]:
+            return (
+                f"group '{self.ft.replica_id}' holds other global parameters than another group of "
+                "this round's quorum (a group that joined during the first round, or whose first "
+                "quorum met no live group, started a round of its own): stop that group and start "
+                "it again after the others' next round has begun, or raise the lighthouse's join "
+                "timeout above a round's duration (shardwise lighthouse --join-timeout-ms)"
+            )
+        return None
+
+    # --- healing (Torchft's snapshot and take)
+    def snapshot(self, served: dict) -> dict:
+        """What a joining rank takes: ``served`` (ft/heal.py's snapshot) with the global
+        parameters in place of this group's inner ones."""
+        return {**served, "params": {self.names[id(p)]: b for p, b in zip(self.params, self.backup, strict=True)}}
+
+    def took(self) -> None:
+        """After a heal (the parameters are the live group's global ones): keep them as the
+        global parameters and sit out this round's average."""
+        with torch.no_grad():
+            for p, b in zip(self.params, self.backup, strict=True):
+                b.copy_(p)
+        for p in self.params:  # (Note [error feedback across rounds])
+            self.outer.state[p].pop("residual", None)
+        self.sitting_out = True
+
+
+def codec_of(comm: str | None):
+    """The encoding of the pseudo-gradients: None (fp32), "int8" (shardwise's blockwise int8,
+    codecs.py) or "topk" (SparseLoCo's top-k with 2-bit values, ft/topk.py)."""
+    if comm is None:
+        return None
+    if comm == "int8":
+        return Codec("int8")
+    if comm == "topk":
+        return TopK2Bit()
+    raise ShardwiseError(f"ft.diloco(comm={comm!r}): one of None (fp32), 'int8' or 'topk'")
+
+
+class Done:
+    def wait(self) -> bool:
+        return True
+
+
+def nesterov(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (Douillard et al., 2023)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def outer_optimizer_of(make: Callable, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``outer_optimizer(params)``, checked."""
+    outer = make(params)
+    if not isinstance(outer, torch.optim.Optimizer):
+        raise ShardwiseError(
+            "outer_optimizer takes the parameters and returns a torch.optim optimizer, e.g. "
+            "lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
+        )
+    return outer

@@ -1,0 +1,286 @@
+"""DiLoCo across replica groups (shardwise.ft.Torchft.diloco): two real torchrun jobs of 2
+ranks each (full_shard inside each), on a lighthouse in this process, each reading its own
+batches, take 3 rounds of 3 inner AdamW steps. With fp32 pseudo-gradients both jobs end with
+the same parameters, within 1e-5 of one process that runs each group's inner steps on an
+unsharded copy of the model and the same outer Nesterov step on the groups' averaged
+pseudo-gradient (shard index r of each job exchanges only its shard). With top-k + 2-bit
+messages and error feedback they end bitwise equal to each other, having moved only
+elements the messages carried, and the residual and outer optimizer state of each rank come
+back from a shardwise checkpoint. Error feedback itself (what a message drops is sent later: the
+sum over rounds converges) and the top-k message are tested on one process. This file's main
+is one rank of a job.
+
+Skips, naming the extra, where torchft is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RUST_LOG", "warn")
+pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip install -e '.[ft]'")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_ft import jobs, lighthouse  # noqa: F401 (fixtures)
+
+H, ROUNDS, LR, OUTER = 3, 3, 1e-2, {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def test_diloco_of_two_sharded_jobs_equals_one_process_of_the_same_rounds(jobs, lighthouse):  # noqa: F811
+    jobs.lighthouse = lighthouse
+    procs = [jobs.start(g, restarts=0, script=__file__, steps=H * ROUNDS) for g in (0, 1)]
+    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    ref, moved = reference()
+    assert moved > 0.05, moved  # (training moved the parameters)
+    for g in (0, 1):
+        assert got[g]["step"] == H * ROUNDS
+        assert ref.keys() <= got[g]["params"].keys()  # (and the tied head.weight)
+        diff = max((got[g]["params"][n] - ref[n]).abs().max().item() for n in ref)
+        assert diff <= 1e-5, f"group {g} differs from one process by {diff}"
+    for n in ref:  # (the groups hold the same global parameters)
+        assert torch.allclose(got[0]["params"][n], got[1]["params"][n], rtol=0, atol=1e-6), n
+
+
+def test_diloco_with_topk_messages_keeps_groups_equal_and_its_state_survives_a_checkpoint(jobs, lighthouse):  # noqa: F811
+    jobs.lighthouse = lighthouse
+    procs = [jobs.start(g, restarts=0, script=__file__, steps=H * ROUNDS, comm="topk") for g in (0, 1)]
+    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    from nets import make
+
+    from shardwise.ft.topk import CHUNK, K
+
+    start = dict(make("tied").named_parameters())
+    for n in start:
+        assert torch.equal(got[0]["params"][n], got[1]["params"][n]), n
+    # each round moves at most the K elements per chunk each group sent (the outer momentum
+    # moves those again): a few of the model's, but some
+    changed = sum(int((got[0]["params"][n] != p.detach()).sum()) for n, p in start.items())
+    total = sum(p.numel() for p in start.values())
+    chunks_per_rank = -(-(total // 2 + 1) // CHUNK)
+    assert 0 < changed <= ROUNDS * 2 * K * 2 * chunks_per_rank < total, (changed, total)
+    for g in (0, 1):
+        assert got[g]["residual"] > 0 and not got[g]["reloaded"], got[g]["reloaded"]  # (what differs)
+
+
+@pytest.fixture
+def slow_lighthouse():
+    """A lighthouse whose quorum waits for a live group to end its round (join timeout 30 s):
+    a group that comes back mid-round meets the others at their round's end."""
+    from shardwise.ft.lighthouse import serve
+
+    server = serve(port=0, bind="127.0.0.1", join_timeout_ms=30_000)
+    yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    server.shutdown()
+
+
+def test_a_group_killed_mid_round_is_dropped_and_comes_back_with_the_global_model(jobs, slow_lighthouse):  # noqa: F811
+    jobs.lighthouse = slow_lighthouse
+    cfg = {"steps": 6 * H, "pause": 0.3, "min_replicas": 1, "kill_in": 1}
+    a = jobs.start(0, restarts=0, script=__file__, **cfg)
+    b = jobs.start(1, restarts=1, script=__file__, kill=[H + 1, 1], **cfg)  # rank 1, round 2's 2nd step
+    assert [jobs.wait(a, 300), jobs.wait(b, 300)] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    alone = [r for r in got[0]["rounds"] if r[1] == 1 and r[2]]
+    assert alone, got[0]["rounds"]  # group 0 went on alone while group 1 was away
+    assert got[1]["heal"] is not None and got[1]["heal"][1] > 0, got[1]["heal"]  # (from memory)
+    assert got[1]["run"] == "1" and got[1]["rounds"][0][0] > H + 1, got[1]["rounds"]  # (killed, back later)
+    assert got[0]["rounds"][-1][1:] == (2, True) and got[0]["step"] == got[1]["step"] >= 6 * H
+    for n, v in got[0]["params"].items():  # one global model again
+        assert torch.equal(v, got[1]["params"][n]), n
+
+
+class _OneGroup:
+    """A manager alone in its quorum: the all-gather hands back this group's message."""
+
+    def __init__(self):
+        self._pg = self
+
+    def errored(self):
+        return None
+
+    def num_participants(self) -> int:
+        return 1
+
+    def allgather(self, out, inputs, opts):
+        out[0][0].copy_(inputs[0])
+        return _OneGroup.Done()
+
+    class Done:
+        def wait(self):
+            return True
+
+
+@pytest.mark.parametrize("comm", ["int8", "topk"])
+def test_error_feedback_sends_what_a_message_drops_later(comm):
+    """DiLoCo's own exchange (``_exchange_encoded``) of one pseudo-gradient, round after
+    round: the mean of what arrived tends to it (the residual stays bounded), while one
+    message alone is off by far more."""
+    from types import SimpleNamespace
+
+    from shardwise.ft.diloco import DiLoCo, codec_of
+
+    torch.manual_seed(0)
+    params = [torch.zeros(300, 40), torch.zeros(2000)]
+    d = DiLoCo.__new__(DiLoCo)
+    d.ft, d.params, d.codec = SimpleNamespace(_manager=_OneGroup()), params, codec_of(comm)
+    d.outer = torch.optim.SGD(params, lr=1.0)
+    pseudo = torch.randn(14000) * torch.rand(14000) ** 4  # (magnitudes spread over decades)
+    arrived, errors = torch.zeros_like(pseudo), {}
+    for t in range(1, 201):
+        flat = pseudo.clone()
+        d._exchange_encoded(flat)
+        arrived += flat
+        if t in (1, 200):
+            errors[t] = ((arrived / t) - pseudo).abs().max().item()
+    # sum of arrivals = t * pseudo - residual_t: the mean's error is the residual over t
+    assert torch.allclose(arrived, 200 * pseudo - d._residual(), atol=1e-3)
+    assert errors[200] < errors[1] / 20, errors
+
+
+class _BesideAnother(_OneGroup):
+    """A manager whose all-reduce (max) meets another group holding ``theirs``."""
+
+    def __init__(self, theirs: torch.Tensor):
+        super().__init__()
+        self.theirs = theirs
+
+    def allreduce(self, t: torch.Tensor, reduce_op=None):
+        t.copy_(torch.maximum(t, self.theirs))
+        return _OneGroup.Done()
+
+
+def test_groups_holding_other_global_parameters_are_named_not_averaged():
+    from types import SimpleNamespace
+
+    from shardwise.ft.diloco import DiLoCo
+
+    d = DiLoCo.__new__(DiLoCo)
+    d.backup = [torch.full((3,), 0.5), torch.ones(2)]  # checksum 3.5
+    for theirs, differs in ((3.5, False), (3.25, True)):
+        d.ft = SimpleNamespace(_manager=_BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64)), replica_id="g1")
+        problem = d._check_global()
+        assert (problem is not None) == differs and (not differs or "other global parameters" in problem), problem
+
+
+def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitudes():
+    from shardwise.ft.topk import CHUNK, K, TopK2Bit
+
+    codec = TopK2Bit()
+    x = torch.randn(CHUNK + 1000)
+    message = codec.encode(x)
+    assert message.dtype == torch.uint8 and message.numel() == codec.nbytes(x.numel()) == 2 * (8 + 2 * K + K // 4)
+    y = codec.decode(message, x.numel())
+    for chunk in (slice(0, CHUNK), slice(CHUNK, None)):
+        xs, ys = x[chunk], y[chunk]
+        kept = ys != 0
+        assert kept.sum() == K and torch.equal(kept, xs.abs() >= xs.abs().topk(K).values[-1])
+        assert torch.equal(ys[kept].sign(), xs[kept].sign())
+        mags = xs[kept].abs()
+        high = mags >= mags.median()
+        for part in (high, ~high):  # each half of the K sent as its mean magnitude
+            assert torch.allclose(ys[kept][part].abs(), mags[part].mean().expand(int(part.sum())))
+    assert CHUNK * 4 / codec.nbytes(CHUNK) > 100  # (fp32 bytes over the message's, a whole chunk)
+
+
+def reference() -> tuple[dict, float]:
+    """One process: each group's inner steps on its own copy (with its own AdamW state),
+    then Nesterov SGD on the global parameters with the groups' mean pseudo-gradient."""
+    from nets import loss_of, make
+    from outer_groups import group_batch
+
+    global_model = make("tied")
+    start = {n: p.detach().clone() for n, p in global_model.named_parameters()}
+    outer = torch.optim.SGD(global_model.parameters(), **OUTER)
+    copies = [make("tied") for _ in (0, 1)]
+    inner = [torch.optim.AdamW(c.parameters(), lr=LR) for c in copies]
+    for r in range(ROUNDS):
+        for g, (model, opt) in enumerate(zip(copies, inner, strict=True)):
+            model.load_state_dict(global_model.state_dict())
+            for step in range(r * H, (r + 1) * H):
+                x, y = group_batch("tied", step, g, 2, 2)
+                loss_of(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        for name, p in global_model.named_parameters():
+            locals_ = [dict(c.named_parameters())[name].detach() for c in copies]
+            p.grad = sum(p.detach() - q for q in locals_) / len(locals_)
+        outer.step()
+        outer.zero_grad()
+    params = {n: p.detach().clone() for n, p in global_model.named_parameters()}
+    return params, max((params[n] - start[n]).abs().max().item() for n in params)
+
+
+def main(cfg: dict) -> None:
+    """One rank of job ``cfg['group']``: DiLoCo with the test's rounds, then its full
+    parameters (rank 0) in ``out/g<group>-full.pt``."""
+    import torch.distributed as dist
+    from outer_groups import build, forward_backward
+
+    import shardwise
+    import shardwise.ft
+
+    shardwise.init(timeout=60)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ft = shardwise.ft.Torchft(
+        lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}",
+        min_replicas=cfg.get("min_replicas", 2), timeout=30, quorum_timeout=60,
+        max_failed_steps=200,  # (the first quorum waits for the other job to start)
+    )
+    model, inner = build(ft, lr=LR)
+    outer = lambda ps: torch.optim.SGD(ps, **OUTER)  # noqa: E731
+    opt = ft.diloco(inner, sync_every=H, outer_optimizer=outer, comm=cfg.get("comm"))
+    kill, first_run = cfg.get("kill"), os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    rounds = []  # (ft.step, groups in the round's quorum, committed) at each round's end
+    # (with a kill, the jobs go on past ``steps`` until two rounds of both: the same on both)
+    while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-2:]] != [(2, True)] * 2):
+        assert ft.step < 40 * H, "the groups never trained together again"
+        opt.zero_grad()
+        if not rounds:  # (the first quorum is a round's end too)
+            rounds.append((ft.step, ft.participants, True))
+        if kill and first_run and ft.step >= kill[0] and ft.step % H == 1 and rank == kill[1]:  # (mid-round, mid-backward)
+            model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+        forward_backward(model, "tied", ft.step, cfg["group"], rank, world)
+        committed = opt.step()
+        if ft.step % H == 0 or not committed:
+            rounds.append((ft.step, ft.participants, committed))
+        assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
+        time.sleep(cfg.get("pause", 0.0))
+    full = shardwise.full_state_dict(model)
+    residual, reloaded = 0.0, []
+    if cfg.get("comm"):  # the outer state (its residual too) through a checkpoint
+        path = Path(cfg["out"]) / f"ck{cfg['group']}"
+        shardwise.save(path, model, opt)
+        shardwise.save(path.with_suffix(".outer"), model, opt.outer)
+        fresh, again = build(None, lr=LR)
+        again_outer = outer([p for g in again.param_groups for p in g["params"]])
+        shardwise.load(path, fresh, again)
+        shardwise.load(path.with_suffix(".outer"), fresh, again_outer)
+        mine = [opt.outer.state[p] for p in opt.params]
+        theirs = [again_outer.state[p] for g in again.param_groups for p in g["params"]]
+        residual = sum(st["residual"].abs().sum().item() for st in mine)
+        reloaded = [
+            (i, sorted(a), sorted(b)) for i, (a, b) in enumerate(zip(mine, theirs, strict=True))
+            if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a)
+        ]
+    if rank == 0:
+        heal = ft.last_heal and (ft.last_heal.step, ft.last_heal.bytes)
+        torch.save({"params": full, "step": ft.step, "residual": residual, "reloaded": reloaded, "rounds": rounds,
+                    "heal": heal, "run": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
+                   Path(cfg["out"]) / f"g{cfg['group']}-full.pt")
+    ft.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
