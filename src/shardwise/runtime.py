@@ -35,7 +35,7 @@ from .errors import ShardwiseError
 from .groups import Mesh
 from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Sharding
-from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
+from .unit import Occupancy, ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
 class Phase(Enum):
@@ -210,6 +210,11 @@ class Runtime:
         self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
+        self._tracks_peak = any(u.reshard_after_forward for u in units if not u.is_root)
+        self.occupancy = Occupancy()
+        for u in units:
+            if isinstance(u, ShardedUnit):
+                u.count_in(self.occupancy)
         # Note [when a unit reduces]: ranks must issue untagged collectives in one order, and
         # which parameters get a gradient may differ between ranks (data-dependent models), so
         # no reduction waits on "every gradient is in". A sharded unit reduces when the last
@@ -328,15 +333,11 @@ class Runtime:
         nxt.unshard()
 
     def _count_unsharded(self, *, gathering_only: bool = False) -> int:
-        if gathering_only:
-            return sum(u.state is UnitState.GATHERING for u in self.units)
-        return sum(
-            u.state is not UnitState.SHARDED for u in self.units if u.reshard_after_forward and not u.is_root
-        )
+        return self.occupancy.gathering if gathering_only else self.occupancy.unsharded
 
     def _note_unsharded(self) -> None:
-        if any(u.reshard_after_forward for u in self.units if not u.is_root):
-            self.peak_unsharded = max(self.peak_unsharded, self._count_unsharded())
+        if self._tracks_peak:
+            self.peak_unsharded = max(self.peak_unsharded, self.occupancy.unsharded)
 
     # --- backward
     def _pre_backward(self, unit: Unit) -> None:

@@ -40,6 +40,18 @@ class UnitState(Enum):
     UNSHARDED = auto()
 
 
+class Occupancy:
+    """How many of a runtime's sharded units are gathering, and how many that reshard after
+    forward (the root aside) are not sharded: kept by the units' state changes, so that
+    prefetch reads them in constant time rather than counting every unit at every hook."""
+
+    __slots__ = ("gathering", "unsharded")
+
+    def __init__(self) -> None:
+        self.gathering = 0
+        self.unsharded = 0
+
+
 class NotGathered(torch.Tensor):
     """What a sharded unit's modules hold during a step: any use outside the unit's forward
     raises, naming the parameter, instead of computing silently on this rank's shard."""
@@ -237,7 +249,8 @@ class ShardedUnit(Unit):
         ]
         self.exposed = True  # between steps the modules hold the shard parameters
         self._free_full()
-        self.state = UnitState.SHARDED
+        self._state = UnitState.SHARDED
+        self.occupancy: Occupancy | None = None  # the runtime's (``count_in``)
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
         self._gathered = None  # CUDA: the event after the gather, on the gather stream
@@ -249,6 +262,26 @@ class ShardedUnit(Unit):
         self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
         self._local_grads: list[torch.Tensor] | None = None
         self._swap(self.shard_params)
+
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @state.setter
+    def state(self, new: UnitState) -> None:
+        old, occ = self._state, self.occupancy
+        if occ is not None and old is not new:
+            occ.gathering += (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
+            if self.reshard_after_forward and not self.is_root:
+                occ.unsharded += (old is UnitState.SHARDED) - (new is UnitState.SHARDED)
+        self._state = new
+
+    def count_in(self, occupancy: Occupancy) -> None:
+        """Keep ``occupancy`` up to date with this unit's state from now on."""
+        self.occupancy = None
+        state, self._state = self._state, UnitState.SHARDED
+        self.occupancy = occupancy
+        self.state = state
 
     # --- parameters as the module sees them
     def expose_shards(self, exposed: bool) -> None:
