@@ -23,7 +23,7 @@ Pure tensor bookkeeping: no process group here, unit-tested on its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -162,17 +162,29 @@ class Layout:
         parameter-major unsharded buffer: one copy per rank, or one in all for a uniform
         layout when ``rows`` is a single rank-major tensor (an NCCL gather's output; with
         owned parameters its rows are padded to the largest rank's size)."""
-        n = self.world_size
-        if isinstance(rows, torch.Tensor) and self.uniform:
-            sizes = [s.numel_on(0) for s in self.slots]
-            segments = torch.split(flat_full, [n * k for k in sizes])
-            outs = [seg.view(n, k) for seg, k in zip(segments, sizes)]
-            torch.split_with_sizes_copy(rows.view(n, -1), sizes, dim=1, out=outs)
-            return
-        for r in range(n):
-            row = rows[r].view(-1)[: self.sizes[r]]
-            sizes = [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)]
-            torch.split_with_sizes_copy(row, sizes, out=self._targets(flat_full, r))
+        self.unpacker(flat_full)(rows)
+
+    def unpacker(self, flat_full: torch.Tensor) -> Callable[[Sequence[torch.Tensor] | torch.Tensor], None]:
+        """``unpack`` into ``flat_full`` with the split sizes and target views worked out once
+        (a unit unpacks every gather into the same buffer)."""
+        n, uniform = self.world_size, self.uniform
+        if uniform:  # the rank-major tensor's column blocks, one per parameter
+            widths = [s.numel_on(0) for s in self.slots]
+            blocks = [seg.view(n, k) for seg, k in zip(torch.split(flat_full, [n * k for k in widths]), widths)]
+        per_rank = [
+            (self.sizes[r], [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)],
+             self._targets(flat_full, r))
+            for r in range(n)
+        ]
+
+        def unpack(rows: Sequence[torch.Tensor] | torch.Tensor) -> None:
+            if uniform and isinstance(rows, torch.Tensor):
+                torch.split_with_sizes_copy(rows.view(n, -1), widths, dim=1, out=blocks)
+                return
+            for row, (size, sizes, targets) in zip(rows, per_rank):
+                torch.split_with_sizes_copy(row.view(-1)[:size], sizes, out=targets)
+
+        return unpack
 
     def segments(self, rows: Sequence[torch.Tensor] | torch.Tensor, index: int) -> list[tuple[int, torch.Tensor]]:
         """Parameter ``index`` in gathered rows (``rows[r]``: rank r's flat shard, as ``unpack``

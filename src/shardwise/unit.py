@@ -126,7 +126,8 @@ class Unit:
         self.grads_ready = 0  # trainable parameters whose gradient is complete this backward
         self.reduce_issued = False
         # per trainable parameter: got a gradient on this rank since the last reduction
-        # (no_sync micro-batches included); set by the runtime's gradient hooks
+        # (no_sync micro-batches included); set as a sharded unit reduces, by the runtime's
+        # gradient hooks on a replicated one
         self.used: list[bool] = []
         # per trainable parameter: its .grad was None before this reduction landed
         self._fresh: list[bool] = []
@@ -239,10 +240,12 @@ class ShardedUnit(Unit):
             else torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         )
         self._flat_full_data = self.flat_full.data  # see Note [version counters]
+        self._unpack = layout.unpacker(self._flat_full_data)
         self.full_params = [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
         ]
+        self._trainable_full = [p for p in self.full_params if p.requires_grad]
         self.not_gathered = [
             NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label, rg)
             for s, rg in zip(layout.slots, requires_grad)
@@ -272,13 +275,13 @@ class ShardedUnit(Unit):
         old, occ = self._state, self.occupancy
         if occ is not None and old is not new:
             occ.gathering += (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
-            if self.reshard_after_forward and not self.is_root:
+            if self._counted:
                 occ.unsharded += (old is UnitState.SHARDED) - (new is UnitState.SHARDED)
         self._state = new
 
     def count_in(self, occupancy: Occupancy) -> None:
         """Keep ``occupancy`` up to date with this unit's state from now on."""
-        self.occupancy = None
+        self._counted = self.reshard_after_forward and not self.is_root
         state, self._state = self._state, UnitState.SHARDED
         self.occupancy = occupancy
         self.state = state
@@ -355,7 +358,7 @@ class ShardedUnit(Unit):
                 else:
                     self._gather.wait()
                 self._allocate_full()
-                self.layout.unpack(self._gather.result, self._flat_full_data)
+                self._unpack(self._gather.result)
             self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
@@ -383,9 +386,12 @@ class ShardedUnit(Unit):
             self.reduce_issued = True
             return
         grads = []
-        for p, rg in zip(self.full_params, self.requires_grad):
-            if rg:
-                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        for j, p in enumerate(self._trainable_full):
+            if p.grad is None:
+                grads.append(torch.zeros_like(p))
+            else:  # got a gradient since the last reduction (no_sync's micro-batches included)
+                self.used[j] = True
+                grads.append(p.grad)
                 p.grad = None
         if self.world * self.replicas == 1 and self._direct and self.outer is None:
             # nothing to reduce: the gradients are the shards'
