@@ -44,11 +44,11 @@ class Slot:
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -130,12 +130,23 @@ class Layout:
 
     def shard_views(self, flat_shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Views of ``flat_shard`` shaped as this rank's unpadded pieces."""
-        views = []
-        for s in self.slots:
-            start, stop = s.row_range(rank)
-            n = (stop - start) * s.row_numel
-            views.append(flat_shard[s.offsets[rank] : s.offsets[rank] + n].view(s.local_shape(rank)))
-        return views
+        return [flat_shard[start:stop].view(shape) for start, stop, shape in self._pieces(rank)]
+
+    def _pieces(self, rank: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Where each of ``rank``'s unpadded pieces lies in its flat shard, and its shape
+        (worked out once per rank: every reduction asks)."""
+        pieces = self._pieces_of.get(rank)
+        if pieces is None:
+            pieces = self._pieces_of[rank] = []
+            for s in self.slots:
+                start, stop = s.row_range(rank)
+                o = s.offsets[rank]
+                pieces.append((o, o + (stop - start) * s.row_numel, s.local_shape(rank)))
+        return pieces
+
+    @cached_property
+    def _pieces_of(self) -> dict[int, list[tuple[int, int, tuple[int, ...]]]]:
+        return {}
 
     def unsharded_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
         """Views of the parameter-major unsharded buffer shaped as the full parameters."""
@@ -233,15 +244,28 @@ class Layout:
     def pack_row(self, full: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
         """Write ``rank``'s flat shard of full tensors (one per slot) into ``out``, zero padded."""
         parts = []
-        for s, t in zip(self.slots, full):
-            k = s.numel_on(rank)
-            if not k:
-                continue
-            flat = t.reshape(-1)
-            start = 0 if s.owned else min(rank * k, s.numel)
-            stop = min(start + k, s.numel)
+        for i, start, stop, padding in self._row_plan(rank):
+            flat = full[i].reshape(-1)
             parts.append(flat[start:stop])
-            if stop - start < k:
-                parts.append(flat.new_zeros(k - (stop - start)))
+            if padding:
+                parts.append(flat.new_zeros(padding))
         if parts:
             torch.cat(parts, out=out.view(-1)[: self.sizes[rank]])
+
+    def _row_plan(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """``pack_row``'s pieces for ``rank``: (slot, first element, end, zeros after), worked
+        out once per rank."""
+        plan = self._row_plans.get(rank)
+        if plan is None:
+            plan = self._row_plans[rank] = []
+            for i, s in enumerate(self.slots):
+                k = s.numel_on(rank)
+                if k:
+                    start = 0 if s.owned else min(rank * k, s.numel)
+                    stop = min(start + k, s.numel)
+                    plan.append((i, start, stop, k - (stop - start)))
+        return plan
+
+    @cached_property
+    def _row_plans(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        return {}

@@ -280,11 +280,12 @@ class Runtime:
             self._prefetch(self.next_forward.get(unit))
             self._note_unsharded()
             if torch.is_grad_enabled():
-                flat = _tensors((args, kwargs), [])
+                plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
+                flat = args if plain else _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
                     self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
-                    marked = iter(_PostBackward.apply(runtime_ref, unit_ref, *flat))
-                    return _replace_tensors((args, kwargs), marked)
+                    marked = _PostBackward.apply(runtime_ref, unit_ref, *flat)
+                    return (marked, kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
             return args, kwargs
 
         return hook
@@ -305,7 +306,7 @@ class Runtime:
             if not grad or (unit.reshard_after_forward and not unit.is_root):
                 unit.reshard()
             if grad:
-                outs = [t for t in _tensors(output, []) if t.requires_grad]
+                outs = [t for t in ((output,) if type(output) is torch.Tensor else _tensors(output, [])) if t.requires_grad]
                 if len(outs) == 1:  # (what register_multi_grad_hook does for one, without its wrapping)
                     outs[0].register_hook(pre_backward)
                 elif outs:

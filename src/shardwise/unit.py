@@ -117,11 +117,13 @@ class Unit:
         self, module: nn.Module, name: str, registrations: list[Registration], group, outer: ReplicaGroups | None
     ):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
+        self._places = [(r.module._parameters, r.attr, r.index) for r in registrations]  # (for _swap)
         # replica groups outside the job (outer.py): gradients are averaged across them once
         # the job's own reduction is complete
         self.outer = outer
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.label = name or "<root>"
+        self.is_root = name == ""
         self.channel = C.channel()  # Note [tagged Gloo messages] in collectives.py
         self.grads_ready = 0  # trainable parameters whose gradient is complete this backward
         self.reduce_issued = False
@@ -170,14 +172,10 @@ class Unit:
         self.used = [False] * len(self.used)
         self._fresh = []
 
-    @property
-    def is_root(self) -> bool:
-        return self.name == ""
-
     def _swap(self, params) -> None:
         """Point every registration of this unit's parameters at ``params`` (one per slot)."""
-        for r in self.registrations:
-            r.module._parameters[r.attr] = params[r.index]
+        for where, attr, index in self._places:
+            where[attr] = params[index]
 
 
 class ShardedUnit(Unit):
@@ -246,6 +244,7 @@ class ShardedUnit(Unit):
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
         ]
         self._trainable_full = [p for p in self.full_params if p.requires_grad]
+        self._trainable_shards = [p for p, rg in zip(self.shard_params, requires_grad) if rg]
         self.not_gathered = [
             NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label, rg)
             for s, rg in zip(layout.slots, requires_grad)
@@ -402,7 +401,7 @@ class ShardedUnit(Unit):
         buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
         self.grad_layout.pack(grads, buf.rows, buf.full)  # casts to the reduction dtype on the way
         del grads
-        self._predivided = self.reduce_dtype.itemsize < 4
+        self._predivided = self.reduce_dtype.itemsize < 4 and self.world * self.replicas > 1
         if self._predivided:
             for row in [buf.full] if buf.full is not None else buf.rows:
                 row.div_(self.world * self.replicas)
@@ -460,7 +459,8 @@ class ShardedUnit(Unit):
         if self._local_grads is not None:
             self._fresh = [p.grad is None for p in shards]
             for p, g in zip(shards, self._local_grads):
-                g = g.view(p.shape)
+                if g.shape != p.shape:  # (a 0-dim parameter's shard has one row)
+                    g = g.view(p.shape)
                 if p.grad is None:
                     p.grad = g
                 else:
@@ -485,7 +485,7 @@ class ShardedUnit(Unit):
             events.emit("reduce_done", self.label)
 
     def _grad_holders(self) -> list[nn.Parameter]:
-        return [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+        return self._trainable_shards
 
     def reset(self) -> None:
         """After a step that raised: wait for this unit's gather and reduction in flight (every

@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,7 +77,8 @@ class Block(nn.Module):
 class PhaseClock:
     """Hooks around each block's (and the system's) hooks that sum seconds per phase."""
 
-    def __init__(self, blocks: list[Block]):
+    def __init__(self, blocks: list[Block], clock: Callable[[], float] = time.perf_counter):
+        self.now = clock
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self._mark = 0.0
         self._input: torch.Tensor | None = None
@@ -94,10 +96,10 @@ class PhaseClock:
         self._input = args[0]
         if args[0].requires_grad:  # the first hook on a block's input gradient ends a post-backward
             args[0].register_hook(self._end_post_backward)
-        self._mark = time.perf_counter()
+        self._mark = self.now()
 
     def _body_start(self, module, args) -> None:
-        self.seconds["pre_forward"] += time.perf_counter() - self._mark
+        self.seconds["pre_forward"] += self.now() - self._mark
         x = args[0]
         if x.requires_grad and x is not self._input:  # the system put a function on the input
             x.register_hook(self._start_post_backward)
@@ -105,26 +107,26 @@ class PhaseClock:
     def _body_end(self, module, args, out) -> None:
         if out.requires_grad:  # registered before the system's hooks on the output
             out.register_hook(self._start_pre_backward)
-        self._mark = time.perf_counter()
+        self._mark = self.now()
 
     def _post(self, module, args, out) -> None:
-        self.seconds["post_forward"] += time.perf_counter() - self._mark
+        self.seconds["post_forward"] += self.now() - self._mark
         if out.requires_grad:  # after the system's
             out.register_hook(self._end_pre_backward)
 
     def _start_pre_backward(self, grad) -> None:
         self._end_post_backward(grad)
-        self._mark = time.perf_counter()
+        self._mark = self.now()
 
     def _end_pre_backward(self, grad) -> None:
-        self.seconds["pre_backward"] += time.perf_counter() - self._mark
+        self.seconds["pre_backward"] += self.now() - self._mark
 
     def _start_post_backward(self, grad) -> None:
-        self._post_backward_from = time.perf_counter()
+        self._post_backward_from = self.now()
 
     def _end_post_backward(self, grad) -> None:
         if self._post_backward_from is not None:
-            self.seconds["post_backward"] += time.perf_counter() - self._post_backward_from
+            self.seconds["post_backward"] += self.now() - self._post_backward_from
             self._post_backward_from = None
 
 
@@ -168,9 +170,11 @@ def visit(system: str, cfg: OverheadConfig, units: int, device: torch.device, me
         with autocast():
             loss = model(x).float().square().mean()
         loss.backward()
+        _sync(device)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(device)
         t2 = time.perf_counter()
         if i >= cfg.warmup:
             samples["step"].append(t2 - t0)
@@ -180,6 +184,11 @@ def visit(system: str, cfg: OverheadConfig, units: int, device: torch.device, me
     del model, opt, clock
     gc.collect()
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # (the phases are host time, as the hooks see it)
+        torch.cuda.synchronize()
 
 
 def run_rank(cfg: OverheadConfig) -> dict:
