@@ -7,8 +7,9 @@ The model is ``n`` blocks of ``Linear(32, 32)`` + ``LayerNorm`` in an ``nn.Seque
 small that a step is almost all per-unit host overhead and (at N > 1) collective latency. Each
 system trains it with SGD on batches of 4 rows per rank: the plain module (no communication, on
 every rank at once), DDP, FSDP2 (``fully_shard`` per block, then the root) and shardwise
-(``wrap.by_class(Block)``). For each size every system is visited once in turn (built from the
-same seed, warmed up, ``--steps`` timed steps, freed), side by side in one run.
+(``wrap.by_class(Block)``). For each size every system is built from the same seed and warmed
+up; then they take their timed steps in turn, a step each, so that a disturbance of a shared
+machine falls on all of them alike, side by side in one run.
 
 Phases come from the same clock hooks on every system, registered around the system's own (a
 forward pre-hook prepended to the block's, one after its forward hooks, tensor hooks on its
@@ -156,34 +157,41 @@ def build(system: str, cfg: OverheadConfig, units: int, device: torch.device, me
     return model, torch.optim.SGD(model.parameters(), lr=1e-2), clock, autocast
 
 
-def visit(system: str, cfg: OverheadConfig, units: int, device: torch.device, mesh) -> dict:
-    """Build, warm up and time one system; medians of its timed steps (seconds)."""
-    model, opt, clock, autocast = build(system, cfg, units, device, mesh)
+def compare(cfg: OverheadConfig, units: int, device: torch.device, mesh) -> dict[str, dict]:
+    """Build every system of ``units`` blocks, warm each up, then take their timed steps in
+    turn (a step of each, then the next): on a shared machine, a disturbance falls on all of
+    them alike. Each system's medians (seconds)."""
+    built = {s: build(s, cfg, units, device, mesh) for s in SYSTEMS}
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     rows = [torch.randn(cfg.batch_size * world, cfg.width, generator=g) for _ in range(cfg.warmup + cfg.steps)]
-    samples: dict[str, list[float]] = {k: [] for k in ("step", *PHASES)}
+    samples = {s: {k: [] for k in ("step", *PHASES)} for s in SYSTEMS}
     for i, x in enumerate(rows):
-        x = x[rank * cfg.batch_size : (rank + 1) * cfg.batch_size].to(device).requires_grad_(True)
-        clock.reset()
-        t0 = time.perf_counter()
-        with autocast():
-            loss = model(x).float().square().mean()
-        loss.backward()
-        _sync(device)
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        t2 = time.perf_counter()
-        if i >= cfg.warmup:
-            samples["step"].append(t2 - t0)
-            samples["optimizer"].append(t2 - t1)
-            for k in PHASES[:4]:
-                samples[k].append(clock.seconds[k])
-    del model, opt, clock
+        x = x[rank * cfg.batch_size : (rank + 1) * cfg.batch_size].to(device)
+        for system, (model, opt, clock, autocast) in built.items():
+            times = _step(model, opt, clock, autocast, x.clone().requires_grad_(True), device)
+            if i >= cfg.warmup:
+                for k, v in times.items():
+                    samples[system][k].append(v)
+    del built
     gc.collect()
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {s: {k: statistics.median(v) for k, v in kept.items()} for s, kept in samples.items()}
+
+
+def _step(model, opt, clock: PhaseClock, autocast, x: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """One step; its seconds, whole and per phase."""
+    clock.reset()
+    t0 = time.perf_counter()
+    with autocast():
+        loss = model(x).float().square().mean()
+    loss.backward()
+    _sync(device)
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    t2 = time.perf_counter()
+    return {"step": t2 - t0, "optimizer": t2 - t1, **{k: clock.seconds[k] for k in PHASES[:4]}}
 
 
 def _sync(device: torch.device) -> None:
@@ -199,10 +207,10 @@ def run_rank(cfg: OverheadConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     device = groups.device()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    visit("shardwise", cfg, cfg.units[0], device, mesh)  # discarded: the process's first steps are slow
+    compare(cfg, cfg.units[0], device, mesh)  # discarded: the process's first steps are slow
     results: dict[str, dict[str, dict]] = {}
     for n in cfg.units:
-        results[str(n)] = {s: visit(s, cfg, n, device, mesh) for s in SYSTEMS}
+        results[str(n)] = compare(cfg, n, device, mesh)
         if dist.get_rank() == 0:
             line = ", ".join(f"{s} {1e3 * r['step']:.1f} ms" for s, r in results[str(n)].items())
             print(f"N={dist.get_world_size()} units={n}: {line}", file=sys.stderr, flush=True)
@@ -244,19 +252,24 @@ def render_markdown(cfg: OverheadConfig, table: dict) -> str:
 
 
 def plot(table: dict, path: Path) -> None:
+    """Step time against units, log-log: a colour per system, a line style per N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = dict(zip(SYSTEMS, ("tab:gray", "tab:blue", "tab:orange", "tab:green")))
     styles = {"1": "--", "2": "-"}
+    units: list[int] = []
     for world, sizes in table.items():
         units = [int(n) for n in sizes]
         for s in SYSTEMS:
             ax.plot(units, [sizes[str(n)][s]["step_ms"] for n in units], styles.get(world, ":"), marker="o",
-                    label=f"{s} N={world}")
-    ax.set(xscale="log", yscale="log", xlabel="units (blocks of Linear(32,32) + LayerNorm)", ylabel="step (ms)")
+                    color=colours[s], label=f"{s} N={world}")
+    ax.set(xscale="log", yscale="log", xlabel="units (blocks of Linear(32, 32) + LayerNorm)", ylabel="step (ms)")
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(units, [str(n) for n in units])
     ax.legend(fontsize=8, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
