@@ -18,6 +18,9 @@ In one run, sized to finish in well under 5 minutes on an H200:
 3. Peak ``torch.cuda.max_memory_allocated`` of each, alone on the device, against FSDP2's.
 4. Offload: shardwise full_shard bf16 with ``cpu_offload=True``: step time, device peak and
    losses against the same run without offload (the optimizer steps on the host: 2e-2).
+5. Per-unit overhead with NCCL: ``shardwise bench --overhead``'s model (32, 128 and 512 blocks of
+   ``Linear(32, 32)`` + ``LayerNorm``) in the plain module, DDP, FSDP2 and shardwise at N=1 (and
+   N=2 with two GPUs): step time and host µs per unit per phase (docs/benchmarks.md).
 Prints one table, writes gpu_check.json and gpu_check.md to the directory given, and exits
 non-zero when a parity check fails.
 """
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 import shardwise
+from shardwise.bench import overhead as unit_overhead
 from shardwise.data import get_batch, rank_slice
 from shardwise.models import GPT, Block, gpt_config
 
@@ -57,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per system first")
     p.add_argument("--parity-steps", type=int, default=5)
+    p.add_argument("--overhead-units", default="32,128,512", help="block counts of the per-unit overhead check")
+    p.add_argument("--overhead-steps", type=int, default=25, help="timed steps per system and size")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     return p.parse_args(argv)
 
@@ -210,6 +216,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # N=2 first, in its own processes, before this one holds device memory
     parity2 = shardwise.groups.launch_local(2, _parity_rank, args)[0] if n_gpus >= 2 else [None]
+    ocfg = unit_overhead.OverheadConfig(
+        units=tuple(int(n) for n in args.overhead_units.split(",")), nprocs=(1, 2) if n_gpus >= 2 else (1,),
+        steps=args.overhead_steps, out=args.out,
+    )
+    per_unit = {
+        str(n): unit_overhead.per_unit(shardwise.groups.launch_local(n, unit_overhead.run_rank, ocfg)[0])
+        for n in ocfg.nprocs
+    }
     shardwise.init(backend="gloo" if args.device == "cpu" else None)
     device = shardwise.groups.device() if args.device == "cuda" else torch.device("cpu")
     parity1 = [parity(args, device), parity(args, device, placement=shardwise.placement.matrices)]
@@ -266,10 +280,12 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": name, "gpus": n_gpus if device.type == "cuda" else 0, "torch": torch.__version__,
         "config": vars(args), "num_params": num_params, "tokens_per_step": tokens,
-        "flops_per_token": fpt, "peak_tflops": peak_tflops, "rows": rows,
+        "flops_per_token": fpt, "peak_tflops": peak_tflops, "rows": rows, "overhead_per_unit": per_unit,
         "wall_s": time.perf_counter() - t_start,
     }
-    md = render(summary)
+    md = render(summary) + "\n\nPer-unit overhead (`shardwise bench --overhead`): " + unit_overhead.render_markdown(
+        ocfg, per_unit
+    )
     print(md, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

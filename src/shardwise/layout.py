@@ -23,7 +23,7 @@ Pure tensor bookkeeping: no process group here, unit-tested on its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -44,11 +44,11 @@ class Slot:
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -130,12 +130,23 @@ class Layout:
 
     def shard_views(self, flat_shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Views of ``flat_shard`` shaped as this rank's unpadded pieces."""
-        views = []
-        for s in self.slots:
-            start, stop = s.row_range(rank)
-            n = (stop - start) * s.row_numel
-            views.append(flat_shard[s.offsets[rank] : s.offsets[rank] + n].view(s.local_shape(rank)))
-        return views
+        return [flat_shard[start:stop].view(shape) for start, stop, shape in self._pieces(rank)]
+
+    def _pieces(self, rank: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Where each of ``rank``'s unpadded pieces lies in its flat shard, and its shape
+        (worked out once per rank: every reduction asks)."""
+        pieces = self._pieces_of.get(rank)
+        if pieces is None:
+            pieces = self._pieces_of[rank] = []
+            for s in self.slots:
+                start, stop = s.row_range(rank)
+                o = s.offsets[rank]
+                pieces.append((o, o + (stop - start) * s.row_numel, s.local_shape(rank)))
+        return pieces
+
+    @cached_property
+    def _pieces_of(self) -> dict[int, list[tuple[int, int, tuple[int, ...]]]]:
+        return {}
 
     def unsharded_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
         """Views of the parameter-major unsharded buffer shaped as the full parameters."""
@@ -162,17 +173,29 @@ class Layout:
         parameter-major unsharded buffer: one copy per rank, or one in all for a uniform
         layout when ``rows`` is a single rank-major tensor (an NCCL gather's output; with
         owned parameters its rows are padded to the largest rank's size)."""
-        n = self.world_size
-        if isinstance(rows, torch.Tensor) and self.uniform:
-            sizes = [s.numel_on(0) for s in self.slots]
-            segments = torch.split(flat_full, [n * k for k in sizes])
-            outs = [seg.view(n, k) for seg, k in zip(segments, sizes)]
-            torch.split_with_sizes_copy(rows.view(n, -1), sizes, dim=1, out=outs)
-            return
-        for r in range(n):
-            row = rows[r].view(-1)[: self.sizes[r]]
-            sizes = [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)]
-            torch.split_with_sizes_copy(row, sizes, out=self._targets(flat_full, r))
+        self.unpacker(flat_full)(rows)
+
+    def unpacker(self, flat_full: torch.Tensor) -> Callable[[Sequence[torch.Tensor] | torch.Tensor], None]:
+        """``unpack`` into ``flat_full`` with the split sizes and target views worked out once
+        (a unit unpacks every gather into the same buffer)."""
+        n, uniform = self.world_size, self.uniform
+        if uniform:  # the rank-major tensor's column blocks, one per parameter
+            widths = [s.numel_on(0) for s in self.slots]
+            blocks = [seg.view(n, k) for seg, k in zip(torch.split(flat_full, [n * k for k in widths]), widths)]
+        per_rank = [
+            (self.sizes[r], [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)],
+             self._targets(flat_full, r))
+            for r in range(n)
+        ]
+
+        def unpack(rows: Sequence[torch.Tensor] | torch.Tensor) -> None:
+            if uniform and isinstance(rows, torch.Tensor):
+                torch.split_with_sizes_copy(rows.view(n, -1), widths, dim=1, out=blocks)
+                return
+            for row, (size, sizes, targets) in zip(rows, per_rank):
+                torch.split_with_sizes_copy(row.view(-1)[:size], sizes, out=targets)
+
+        return unpack
 
     def segments(self, rows: Sequence[torch.Tensor] | torch.Tensor, index: int) -> list[tuple[int, torch.Tensor]]:
         """Parameter ``index`` in gathered rows (``rows[r]``: rank r's flat shard, as ``unpack``
@@ -221,15 +244,28 @@ class Layout:
     def pack_row(self, full: list[torch.Tensor], rank: int, out: torch.Tensor) -> None:
         """Write ``rank``'s flat shard of full tensors (one per slot) into ``out``, zero padded."""
         parts = []
-        for s, t in zip(self.slots, full):
-            k = s.numel_on(rank)
-            if not k:
-                continue
-            flat = t.reshape(-1)
-            start = 0 if s.owned else min(rank * k, s.numel)
-            stop = min(start + k, s.numel)
+        for i, start, stop, padding in self._row_plan(rank):
+            flat = full[i].reshape(-1)
             parts.append(flat[start:stop])
-            if stop - start < k:
-                parts.append(flat.new_zeros(k - (stop - start)))
+            if padding:
+                parts.append(flat.new_zeros(padding))
         if parts:
             torch.cat(parts, out=out.view(-1)[: self.sizes[rank]])
+
+    def _row_plan(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """``pack_row``'s pieces for ``rank``: (slot, first element, end, zeros after), worked
+        out once per rank."""
+        plan = self._row_plans.get(rank)
+        if plan is None:
+            plan = self._row_plans[rank] = []
+            for i, s in enumerate(self.slots):
+                k = s.numel_on(rank)
+                if k:
+                    start = 0 if s.owned else min(rank * k, s.numel)
+                    stop = min(start + k, s.numel)
+                    plan.append((i, start, stop, k - (stop - start)))
+        return plan
+
+    @cached_property
+    def _row_plans(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        return {}

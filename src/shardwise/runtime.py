@@ -8,8 +8,10 @@ registers the pre-backward hook on the unit's outputs. Backward: the
 pre-backward hook gathers again and prefetches in backward order; an identity autograd
 function on the unit's inputs marks the end of its backward, where it reshards and issues its
 reduce-scatter (Note [when a unit reduces]), while earlier layers still compute, after
-finishing the one issued before. A post-accumulate-grad
-hook on each full parameter notes which parameters got a gradient. The final callback issues
+finishing the one issued before; which of its parameters got a gradient is which full
+parameters hold one then. A replicated unit has no such hooks: a post-accumulate-grad hook on
+each of its parameters notes which got a gradient, and reduces in order (like DDP's buckets).
+The final callback issues
 what is left, waits for every reduction, agrees with the other ranks on which parameters got
 a gradient anywhere (those that got none keep their ``.grad``, as in one process) and
 leaves ``.grad`` on the shards.
@@ -35,7 +37,7 @@ from .errors import ShardwiseError
 from .groups import Mesh
 from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Sharding
-from .unit import ReplicatedUnit, ShardedUnit, Unit, UnitState
+from .unit import Occupancy, ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
 class Phase(Enum):
@@ -210,6 +212,11 @@ class Runtime:
         self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
+        self._tracks_peak = any(u.reshard_after_forward for u in units if not u.is_root)
+        self.occupancy = Occupancy()
+        for u in units:
+            if isinstance(u, ShardedUnit):
+                u.count_in(self.occupancy)
         # Note [when a unit reduces]: ranks must issue untagged collectives in one order, and
         # which parameters get a gradient may differ between ranks (data-dependent models), so
         # no reduction waits on "every gradient is in". A sharded unit reduces when the last
@@ -224,23 +231,29 @@ class Runtime:
         self.host_group = host_group  # the side group of the step check (collectives.step_check)
         self.activations = None  # an activation_offload.Offload where a unit offloads its activations
         self.check_buffer: torch.Tensor | None = None
+        self._ref = weakref.ref(self)  # what autograd holds (Note [weak references from C++])
         for unit in units:
             self._register(unit)
 
     # --- registration
     def _register(self, unit: Unit) -> None:
         m = unit.module
+        unit_ref = weakref.ref(unit)
         if isinstance(unit, ShardedUnit) or unit.casts:  # plain no_shard needs none, like DDP
-            m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
-            m.register_forward_hook(self._make_post_forward(unit))
+            m.register_forward_pre_hook(self._make_pre_forward(unit, unit_ref), with_kwargs=True)
+            m.register_forward_hook(self._make_post_forward(unit, unit_ref))
             if unit.is_root:
                 m.register_forward_hook(self._note_forward_raised, always_call=True)
+        if isinstance(unit, ShardedUnit):  # notes which parameters got a gradient as it reduces
+            return
         trainable = [p for p in unit.full_params if p.requires_grad]
         for j, p in enumerate(trainable):
-            p.register_post_accumulate_grad_hook(self._make_grad_ready(unit, j))
+            p.register_post_accumulate_grad_hook(self._make_grad_ready(unit_ref, j))
 
     # --- forward
-    def _make_pre_forward(self, unit: Unit):
+    def _make_pre_forward(self, unit: Unit, unit_ref: weakref.ref):
+        runtime_ref = self._ref
+
         @_outside_graphs
         def hook(module, args, kwargs):
             if self.step_abandoned():
@@ -267,16 +280,19 @@ class Runtime:
             self._prefetch(self.next_forward.get(unit))
             self._note_unsharded()
             if torch.is_grad_enabled():
-                flat = _tensors((args, kwargs), [])
+                plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
+                flat = args if plain else _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
                     self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
-                    marked = iter(_PostBackward.apply(weakref.ref(self), weakref.ref(unit), *flat))
-                    return _replace_tensors((args, kwargs), marked)
+                    marked = _PostBackward.apply(runtime_ref, unit_ref, *flat)
+                    return (marked, kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
             return args, kwargs
 
         return hook
 
-    def _make_post_forward(self, unit: Unit):
+    def _make_post_forward(self, unit: Unit, unit_ref: weakref.ref):
+        pre_backward = _pre_backward_hook(self._ref, unit_ref)
+
         @_outside_graphs
         def hook(module, args, output):
             if self.phase is Phase.BACKWARD:
@@ -290,10 +306,11 @@ class Runtime:
             if not grad or (unit.reshard_after_forward and not unit.is_root):
                 unit.reshard()
             if grad:
-                outs = [t for t in _tensors(output, []) if t.requires_grad]
-                if outs:
-                    hook = _pre_backward_hook(weakref.ref(self), weakref.ref(unit))
-                    register_multi_grad_hook(outs, hook, mode="any")
+                outs = [t for t in ((output,) if type(output) is torch.Tensor else _tensors(output, [])) if t.requires_grad]
+                if len(outs) == 1:  # (what register_multi_grad_hook does for one, without its wrapping)
+                    outs[0].register_hook(pre_backward)
+                elif outs:
+                    register_multi_grad_hook(outs, pre_backward, mode="any")
             if unit.is_root:
                 self.next_forward = _successors(self.forward_order)
                 if not grad:  # inference: nothing stays gathered
@@ -328,15 +345,11 @@ class Runtime:
         nxt.unshard()
 
     def _count_unsharded(self, *, gathering_only: bool = False) -> int:
-        if gathering_only:
-            return sum(u.state is UnitState.GATHERING for u in self.units)
-        return sum(
-            u.state is not UnitState.SHARDED for u in self.units if u.reshard_after_forward and not u.is_root
-        )
+        return self.occupancy.gathering if gathering_only else self.occupancy.unsharded
 
     def _note_unsharded(self) -> None:
-        if any(u.reshard_after_forward for u in self.units if not u.is_root):
-            self.peak_unsharded = max(self.peak_unsharded, self._count_unsharded())
+        if self._tracks_peak:
+            self.peak_unsharded = max(self.peak_unsharded, self.occupancy.unsharded)
 
     # --- backward
     def _pre_backward(self, unit: Unit) -> None:
@@ -354,8 +367,8 @@ class Runtime:
         self._prefetch(self.next_backward.get(unit))
         self._note_unsharded()
 
-    def _make_grad_ready(self, unit: Unit, j: int):
-        runtime_ref, unit_ref = weakref.ref(self), weakref.ref(unit)  # Note [weak references from C++]
+    def _make_grad_ready(self, unit_ref: weakref.ref, j: int):
+        runtime_ref = self._ref  # Note [weak references from C++]
 
         def hook(param):
             rt, u = runtime_ref(), unit_ref()
@@ -408,6 +421,7 @@ class Runtime:
 
     def post_backward(self, unit: Unit) -> None:
         """The backward of one forward call of the unit is complete."""
+        self._start_backward()  # (where no pre-backward hook found the unit's outputs)
         if events.listeners:
             events.emit("backward", unit.label, edge="end")
         left = self.pending_backwards.get(unit, 1) - 1

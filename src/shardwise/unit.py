@@ -40,6 +40,18 @@ class UnitState(Enum):
     UNSHARDED = auto()
 
 
+class Occupancy:
+    """How many of a runtime's sharded units are gathering, and how many that reshard after
+    forward (the root aside) are not sharded: kept by the units' state changes, so that
+    prefetch reads them in constant time rather than counting every unit at every hook."""
+
+    __slots__ = ("gathering", "unsharded")
+
+    def __init__(self) -> None:
+        self.gathering = 0
+        self.unsharded = 0
+
+
 class NotGathered(torch.Tensor):
     """What a sharded unit's modules hold during a step: any use outside the unit's forward
     raises, naming the parameter, instead of computing silently on this rank's shard."""
@@ -105,16 +117,19 @@ class Unit:
         self, module: nn.Module, name: str, registrations: list[Registration], group, outer: ReplicaGroups | None
     ):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
+        self._places = [(r.module._parameters, r.attr, r.index) for r in registrations]  # (for _swap)
         # replica groups outside the job (outer.py): gradients are averaged across them once
         # the job's own reduction is complete
         self.outer = outer
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.label = name or "<root>"
+        self.is_root = name == ""
         self.channel = C.channel()  # Note [tagged Gloo messages] in collectives.py
         self.grads_ready = 0  # trainable parameters whose gradient is complete this backward
         self.reduce_issued = False
         # per trainable parameter: got a gradient on this rank since the last reduction
-        # (no_sync micro-batches included); set by the runtime's gradient hooks
+        # (no_sync micro-batches included); set as a sharded unit reduces, by the runtime's
+        # gradient hooks on a replicated one
         self.used: list[bool] = []
         # per trainable parameter: its .grad was None before this reduction landed
         self._fresh: list[bool] = []
@@ -157,14 +172,10 @@ class Unit:
         self.used = [False] * len(self.used)
         self._fresh = []
 
-    @property
-    def is_root(self) -> bool:
-        return self.name == ""
-
     def _swap(self, params) -> None:
         """Point every registration of this unit's parameters at ``params`` (one per slot)."""
-        for r in self.registrations:
-            r.module._parameters[r.attr] = params[r.index]
+        for where, attr, index in self._places:
+            where[attr] = params[index]
 
 
 class ShardedUnit(Unit):
@@ -227,17 +238,21 @@ class ShardedUnit(Unit):
             else torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         )
         self._flat_full_data = self.flat_full.data  # see Note [version counters]
+        self._unpack = layout.unpacker(self._flat_full_data)
         self.full_params = [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
         ]
+        self._trainable_full = [p for p in self.full_params if p.requires_grad]
+        self._trainable_shards = [p for p, rg in zip(self.shard_params, requires_grad) if rg]
         self.not_gathered = [
             NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label, rg)
             for s, rg in zip(layout.slots, requires_grad)
         ]
         self.exposed = True  # between steps the modules hold the shard parameters
         self._free_full()
-        self.state = UnitState.SHARDED
+        self._state = UnitState.SHARDED
+        self.occupancy: Occupancy | None = None  # the runtime's (``count_in``)
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
         self._gathered = None  # CUDA: the event after the gather, on the gather stream
@@ -249,6 +264,26 @@ class ShardedUnit(Unit):
         self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
         self._local_grads: list[torch.Tensor] | None = None
         self._swap(self.shard_params)
+
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @state.setter
+    def state(self, new: UnitState) -> None:
+        old, occ = self._state, self.occupancy
+        if occ is not None and old is not new:
+            occ.gathering += (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
+            if self._counted:
+                occ.unsharded += (old is UnitState.SHARDED) - (new is UnitState.SHARDED)
+        self._state = new
+
+    def count_in(self, occupancy: Occupancy) -> None:
+        """Keep ``occupancy`` up to date with this unit's state from now on."""
+        self._counted = self.reshard_after_forward and not self.is_root
+        state, self._state = self._state, UnitState.SHARDED
+        self.occupancy = occupancy
+        self.state = state
 
     # --- parameters as the module sees them
     def expose_shards(self, exposed: bool) -> None:
@@ -322,7 +357,7 @@ class ShardedUnit(Unit):
                 else:
                     self._gather.wait()
                 self._allocate_full()
-                self.layout.unpack(self._gather.result, self._flat_full_data)
+                self._unpack(self._gather.result)
             self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
@@ -350,9 +385,12 @@ class ShardedUnit(Unit):
             self.reduce_issued = True
             return
         grads = []
-        for p, rg in zip(self.full_params, self.requires_grad):
-            if rg:
-                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        for j, p in enumerate(self._trainable_full):
+            if p.grad is None:
+                grads.append(torch.zeros_like(p))
+            else:  # got a gradient since the last reduction (no_sync's micro-batches included)
+                self.used[j] = True
+                grads.append(p.grad)
                 p.grad = None
         if self.world * self.replicas == 1 and self._direct and self.outer is None:
             # nothing to reduce: the gradients are the shards'
@@ -363,7 +401,7 @@ class ShardedUnit(Unit):
         buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
         self.grad_layout.pack(grads, buf.rows, buf.full)  # casts to the reduction dtype on the way
         del grads
-        self._predivided = self.reduce_dtype.itemsize < 4
+        self._predivided = self.reduce_dtype.itemsize < 4 and self.world * self.replicas > 1
         if self._predivided:
             for row in [buf.full] if buf.full is not None else buf.rows:
                 row.div_(self.world * self.replicas)
@@ -421,7 +459,8 @@ class ShardedUnit(Unit):
         if self._local_grads is not None:
             self._fresh = [p.grad is None for p in shards]
             for p, g in zip(shards, self._local_grads):
-                g = g.view(p.shape)
+                if g.shape != p.shape:  # (a 0-dim parameter's shard has one row)
+                    g = g.view(p.shape)
                 if p.grad is None:
                     p.grad = g
                 else:
@@ -446,7 +485,7 @@ class ShardedUnit(Unit):
             events.emit("reduce_done", self.label)
 
     def _grad_holders(self) -> list[nn.Parameter]:
-        return [p for p, rg in zip(self.shard_params, self.requires_grad) if rg]
+        return self._trainable_shards
 
     def reset(self) -> None:
         """After a step that raised: wait for this unit's gather and reduction in flight (every

@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> None:
         from . import vllm_push
 
         return vllm_push.main([a for a in argv if a != "--vllm"])
+    if "--overhead" in argv:  # what a unit costs, per phase: a benchmark of its own (overhead)
+        from . import overhead
+
+        return overhead.main([a for a in argv if a != "--overhead"])
     cfg = parse_args(argv)
     if "RANK" in os.environ:
         results = run_rank(cfg)
