@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from .. import collectives as C
 from ..policies import Sharding
-from . import files, pretrained
+from . import dcp, files, pretrained
 from .index import CheckpointError, Index, Piece, TensorRecord, read_index
 from .saving import finish_pending
 from .state import (
@@ -48,8 +48,8 @@ class CheckpointInfo:
     path: Path
     step: int | None  # as given to save()
     extra: Any  # as given to save() (rank 0's)
-    world_size: int  # of the save
-    strategy: Sharding  # of the save
+    world_size: int | None  # of the save (None: a DCP checkpoint that shardwise did not write)
+    strategy: Sharding | None  # of the save (likewise)
     rng_restored: bool  # each rank's RNG states were restored (only at the saved world size)
 
 
@@ -171,6 +171,8 @@ def load(
     path: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    names: Callable[[str], str] | None = None,
 ) -> CheckpointInfo:
     """Load a checkpoint written by ``save()`` into a sharded model (and optimizer).
 
@@ -182,12 +184,25 @@ def load(
     saved (residuals start from zero otherwise: they belong to the saved rows of each rank). Any mismatch (a missing or
     extra tensor, shape, dtype, a missing, truncated or corrupt file) raises CheckpointError
     on every rank, naming the tensor and the file, before anything is changed.
+
+    A torch.distributed.checkpoint directory (``.metadata``, as FSDP2's ``dcp.save`` or
+    torchtitan's ``step-N/`` writes it) loads too: the model and one optimizer (AdamW, SGD,
+    ...), each rank reading the saved chunks that hold its rows; its metadata is unpickled by
+    a restricted unpickler and its values with ``weights_only``. ``names`` maps the
+    checkpoint's parameter names to the model's (renamed modules); DCP checkpoints only. RNG
+    states are not in a DCP checkpoint (``rng_restored`` is False).
     """
     rt = runtime_of(model, "load")
     finish_pending(model)
+    path = Path(path)
+    if dcp.is_dcp(path):
+        from . import dcp_loading  # it builds on this module
+
+        return dcp_loading.load(path, model, optimizer, names)
+    if names is not None:
+        raise CheckpointError("names= applies to DCP checkpoints; shardwise's own match by name")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    path = Path(path)
     index: Index | None = None
     with ExitStack() as stack:
         plan = _Plan(stack, path, None)
