@@ -15,6 +15,7 @@ Here: reading the metadata safely (unpickling.py), reading chunks and values wit
 from __future__ import annotations
 
 import io
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,15 @@ class _Targets(LoadPlanner):
     create_local_plan = create_global_plan = finish_plan = set_up_planner
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        key = read_item.dest_index.fqn
+        try:
+            self.values[key] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[0]
+            raise CheckpointError(
+                f"value '{key}' holds more than plain data, refused by weights_only "
+                f"unpickling ({first}): not loading a checkpoint that could run code"
+            ) from e
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         dest = self.dests[read_item]

@@ -51,6 +51,29 @@ def load(
         buffers = persistent_buffers(model)
         aliases = {a for s in slots for a in s.aliases}
         stored = _model_names(md, [s.name for s in slots] + list(buffers), aliases, rename)
+        for key in (dcp.SHARDWISE, "train_state.step"):
+            if isinstance(md.get(key), BytesStorageMetadata):
+                reading.value(key)
+            elif isinstance(md.get(key), TensorStorageMetadata) and not md[key].size:
+                info[key] = torch.zeros((), dtype=md[key].properties.dtype)
+                reading.rows(key, 0, 1, info[key])
+        opts = optimizers(optimizer)
+        if len(opts) > 1:
+            raise CheckpointError(
+                "a DCP checkpoint holds one optimizer's state: pass one optimizer"
+            )
+        # param groups and plain values are read now, to be checked before anything changes
+        prefix = _optimizer_prefix(md, slots, stored) if opts else None
+        if opts and prefix is None:
+            raise CheckpointError(
+                f"{path} holds no optimizer state for the model's parameters: pass "
+                "optimizer=None to load the model alone"
+            )
+        if prefix is not None:
+            for key, entry in md.items():
+                if key.startswith(prefix) and isinstance(entry, BytesStorageMetadata):
+                    reading.value(key)
+        info.update(reading.run())  # only the small values: the tensors' reads come next
         for s in slots:
             _plan_rows(
                 plan,
@@ -76,29 +99,6 @@ def load(
                 (0, rows),
                 b.detach().view(rows, *b.shape[1:]),
             )
-        for key in (dcp.SHARDWISE, "train_state.step"):
-            if isinstance(md.get(key), BytesStorageMetadata):
-                reading.value(key)
-            elif isinstance(md.get(key), TensorStorageMetadata) and not md[key].size:
-                info[key] = torch.zeros((), dtype=md[key].properties.dtype)
-                reading.rows(key, 0, 1, info[key])
-        opts = optimizers(optimizer)
-        if len(opts) > 1:
-            raise CheckpointError(
-                "a DCP checkpoint holds one optimizer's state: pass one optimizer"
-            )
-        # param groups and plain values are read now, to be checked before anything changes
-        prefix = _optimizer_prefix(md, slots, stored) if opts else None
-        if opts and prefix is None:
-            raise CheckpointError(
-                f"{path} holds no optimizer state for the model's parameters: pass "
-                "optimizer=None to load the model alone"
-            )
-        if prefix is not None:
-            for key, entry in md.items():
-                if key.startswith(prefix) and isinstance(entry, BytesStorageMetadata):
-                    reading.value(key)
-        info.update(reading.run())
         if prefix is not None:
             install.append(_plan_optimizer(plan, reading, md, opts[0], slots, stored, prefix, info))
     except Exception as e:  # any rank's failure must reach the others

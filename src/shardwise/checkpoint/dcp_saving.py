@@ -11,7 +11,6 @@ through DCP's own file writer. The write goes to a temporary directory that rank
 
 from __future__ import annotations
 
-import io
 import json
 import uuid
 from pathlib import Path

@@ -1,0 +1,331 @@
+"""torch.distributed.checkpoint (DCP) in and out, with FSDP2 (fully_shard on Gloo) really
+running on the other side: FSDP2's and torchtitan's layouts load into shardwise at another
+world size and train as FSDP2 resuming the same checkpoint does; shardwise's DCP saves load
+into FSDP2 and train as shardwise continuing does; a crafted ``.metadata`` runs nothing."""
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from nets import batch
+
+import shardwise
+from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint.unpickling import UnsafeCheckpointError, read_metadata
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
+STEPS = 20  # trained after the load, on both sides
+TOL = {None: 1e-6, "bf16": 1e-2}  # fp32: reduction-order noise; bf16: its rounding, grown by 20 AdamW steps
+
+
+def net(seed=0):
+    """Rows 17, 11 and 3: uneven shards at 2, 3 and 4 ranks, an empty one at 4."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(13, 17), nn.Tanh(), nn.Linear(17, 11), nn.Tanh(), nn.Linear(11, 3)
+    )
+
+
+class Renamed(nn.Module):
+    """The same network with its modules renamed: ``net``'s ``2.weight`` is ``body.2.weight``."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.body = net(seed)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def train(model, opt, start, stop):
+    """Steps on fixed global batches, each rank its slice; returns the global mean losses."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // n
+    losses = []
+    for step in range(start, stop):
+        x, y = batch("mlp", step, GLOBAL_BATCH)
+        loss = nn.functional.cross_entropy(model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / n)
+    return losses
+
+
+# --- FSDP2's side: fully_shard on every Linear and the root, its state_dict API, dcp
+def fsdp2(seed, mixed):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # shardwise hands back fp32 outputs under "bf16"; FSDP2 does with output_dtype
+    policy = (
+        MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
+    model = net(seed)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def fsdp2_state(model, opt, layout):
+    """The state dict an FSDP2 user saves and loads: PyTorch's recipe (``{"model", "optim"}``),
+    what shardwise writes (``{"model", "optimizer"}``), or torchtitan's (model names at the
+    top, flattened ``optimizer``, ``train_state``); and the options it was taken with."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
+    msd, osd = get_state_dict(model, opt, options=flat)
+    if layout == "torchtitan":
+        return {**msd, "optimizer": osd, "train_state": {"step": torch.tensor(0)}}, flat
+    return {"model": msd, "optim" if layout == "recipe" else "optimizer": osd}, flat
+
+
+def fsdp2_set_state(model, opt, sd, layout, flat):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if layout == "torchtitan":
+        msd = {k: v for k, v in sd.items() if k not in ("optimizer", "train_state")}
+        osd = sd["optimizer"]
+    else:
+        msd, osd = sd["model"], sd["optim" if layout == "recipe" else "optimizer"]
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=flat)
+
+
+def fsdp2_full(model):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in full.items()}
+
+
+def fsdp2_train_and_save(path, opt_kind, layout, mixed, steps):
+    import torch.distributed.checkpoint as dcp
+
+    model = fsdp2(0, mixed)
+    opt = optimizer(opt_kind, model.parameters())
+    train(model, opt, 0, steps)
+    sd, _ = fsdp2_state(model, opt, layout)
+    if layout == "torchtitan":
+        sd["train_state"]["step"] = torch.tensor(steps)
+        path = os.path.join(path, f"step-{steps}")
+    dcp.save(sd, checkpoint_id=path)
+    return path
+
+
+def fsdp2_resume(path, opt_kind, layout, mixed, start):
+    import torch.distributed.checkpoint as dcp
+
+    model = fsdp2(7, mixed)  # other initial values, which the load must overwrite
+    opt = optimizer(opt_kind, model.parameters())
+    sd, flat = fsdp2_state(model, opt, layout)
+    dcp.load(sd, checkpoint_id=path)
+    fsdp2_set_state(model, opt, sd, layout, flat)
+    losses = train(model, opt, start, start + STEPS)
+    return losses, fsdp2_full(model)
+
+
+# --- shardwise's side
+def sharded(seed, options, renamed=False):
+    options = dict(options)
+    if options.pop("owned", False):
+        options["placement"] = shardwise.placement.matrices
+    model = Renamed(seed) if renamed else net(seed)
+    return shardwise.shard(model, wrap=shardwise.wrap.by_class(nn.Linear), **options)
+
+
+def initial():
+    return net(0).state_dict()
+
+
+def bare(full, renamed):
+    return {k.removeprefix("body.") if renamed else k: v for k, v in full.items()}
+
+
+def shardwise_resume(path, opt_kind, options, renamed, start):
+    model = sharded(7, options, renamed)
+    opt = optimizer(opt_kind, model.parameters())
+    opt.param_groups[0]["lr"] = 0.5  # wrong on purpose: the load restores the checkpoint's
+    info = shardwise.load(path, model, opt, names=(lambda n: "body." + n) if renamed else None)
+    losses = train(model, opt, start, start + STEPS)
+    return info, losses, bare(shardwise.full_state_dict(model, rank0_only=False), renamed)
+
+
+def shardwise_train_save_continue(path, opt_kind, options, steps):
+    model = sharded(0, options)
+    opt = optimizer(opt_kind, model.parameters())
+    train(model, opt, 0, steps)
+    shardwise.save(path, model, opt, step=steps, format="dcp")
+    losses = train(model, opt, steps, steps + STEPS)
+    return losses, shardwise.full_state_dict(model, rank0_only=False)
+
+
+def assert_close(a_losses, a, b_losses, b, tol):
+    """Within ``tol``; returns the largest difference (parameters and losses)."""
+    assert a.keys() == b.keys()
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    diff = max(diff, *(abs(x - y) for x, y in zip(a_losses, b_losses, strict=True)))
+    assert diff <= tol, diff
+    return diff
+
+
+FROM_FSDP2 = [  # (optimizer, layout, shardwise's options, world sizes: FSDP2 saves, both resume)
+    ("adamw", "recipe", {}, (2, 3)),
+    ("sgd", "recipe", {}, (2, 3)),
+    ("adamw", "torchtitan", {}, (2, 3)),
+    ("adamw", "recipe", {"mixed_precision": "bf16"}, (2, 3)),
+    ("adamw", "torchtitan", {"owned": True}, (2, 3)),
+    ("sgd", "recipe", {"strategy": "hybrid_shard", "shard_size": 2}, (2, 4)),
+]
+
+
+@pytest.mark.parametrize(
+    "opt_kind,layout,options,sizes", FROM_FSDP2, ids=lambda v: str(v).replace(" ", "")
+)
+def test_fsdp2_checkpoint_resumes_in_shardwise_as_in_fsdp2(pools, tmp_path, opt_kind, layout, options, sizes):
+    saver, resumer = sizes
+    mixed = options.get("mixed_precision")
+    renamed = layout == "torchtitan"  # and its modules renamed: names= maps them
+    path = pools(saver).run(fsdp2_train_and_save, str(tmp_path), opt_kind, layout, mixed, 5)[0]
+    info, ours, our_full = pools(resumer).run(shardwise_resume, path, opt_kind, options, renamed, 5)[0]
+    theirs, their_full = pools(resumer).run(fsdp2_resume, path, opt_kind, layout, mixed, 5)[0]
+    start = pools(1).run(initial)[0]
+    moved = min((their_full[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-2  # both really trained (25 steps) from the same start
+    assert info.step == (5 if layout == "torchtitan" else None) and not info.rng_restored
+    diff = assert_close(ours, our_full, theirs, their_full, TOL[mixed])
+    print(f"FSDP2 N={saver} -> N={resumer}, {opt_kind}, {layout}, {options}: max difference {diff:.3g}")
+
+
+TO_FSDP2 = [  # (optimizer, shardwise's options, world size of the save; FSDP2 resumes at 1)
+    ("adamw", {}, 2),
+    ("sgd", {}, 2),
+    ("adamw", {"mixed_precision": "bf16"}, 2),
+    ("adamw", {"owned": True}, 2),
+    ("adamw", {"strategy": "hybrid_shard", "shard_size": 2}, 4),
+]
+
+
+@pytest.mark.parametrize("opt_kind,options,saver", TO_FSDP2, ids=lambda v: str(v).replace(" ", ""))
+def test_shardwise_dcp_save_resumes_in_fsdp2(pools, tmp_path, opt_kind, options, saver):
+    path = str(tmp_path / "ckpt")
+    mixed = options.get("mixed_precision")
+    ours, our_full = pools(saver).run(shardwise_train_save_continue, path, opt_kind, options, 5)[0]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # published by rename, no temporary left
+    theirs, their_full = pools(1).run(fsdp2_resume, path, opt_kind, "shardwise", mixed, 5)[0]
+    diff = assert_close(ours, our_full, theirs, their_full, TOL[mixed])
+    print(f"shardwise N={saver} {opt_kind} {options} -> FSDP2 N=1: max difference {diff:.3g}")
+
+
+# --- safe to open: nothing a crafted checkpoint names runs
+class Payload:
+    """Unpickled by plain pickle, this creates ``marker``: the code a crafted file could run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_metadata_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Payload(marker)}))
+    with pytest.raises(UnsafeCheckpointError, match=r"posix\.system.*refusing to open it"):
+        read_metadata(tmp_path / "ckpt")
+    assert not marker.exists()
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:  # the payload is live: plain pickle runs it
+        pickle.load(f)
+    assert marker.exists()
+
+
+def load_crafted(path, marker, where):
+    """Write a DCP checkpoint whose metadata (``where="metadata"``) or one of whose values
+    (``"value"``) runs a command when plain-unpickled; load it into shardwise."""
+    import torch.distributed.checkpoint as dcp
+
+    plain = net(0)
+    state = {"2.weight": {"momentum_buffer": Payload(marker) if where == "value" else None}}
+    groups = [{"lr": 0.05, "momentum": 0.9, "params": ["2.weight"]}]
+    dcp.save({"model": plain.state_dict(), "optimizer": {"state": state, "param_groups": groups}}, checkpoint_id=path)
+    dist.barrier()
+    if where == "metadata" and dist.get_rank() == 0:
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump({"state_dict_metadata": Payload(marker)}, f)
+    dist.barrier()
+    model = sharded(3, {})
+    opt = optimizer("sgd", model.parameters())
+    before = shardwise.full_state_dict(model, rank0_only=False)
+    try:
+        shardwise.load(path, model, opt)
+    except CheckpointError as e:
+        after = shardwise.full_state_dict(model, rank0_only=False)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return None, None
+
+
+@pytest.mark.parametrize("where", ["metadata", "value"])
+def test_crafted_dcp_checkpoint_ends_in_a_named_error(pools, tmp_path, where):
+    marker = tmp_path / "ran"
+    out = pools(2).run(load_crafted, str(tmp_path / "ckpt"), str(marker), where)
+    assert not marker.exists()
+    for message, unchanged in out:  # every rank raises, nothing changed
+        assert message is not None and unchanged
+        assert "posix.system" in message if where == "metadata" else "'optimizer.state.2.weight.momentum_buffer' holds more than plain data" in message
+
+
+# --- mismatches: named errors on every rank, before anything changed
+def swapped(name):
+    """Checkpoint name -> model name, with layers 2 and 4 swapped."""
+    return {"2": "4", "4": "2"}.get(name[0], name[0]) + name[1:]
+
+
+def load_mismatched(path):
+    import torch.distributed.checkpoint as dcp
+
+    model = fsdp2(0, None)
+    opt = optimizer("sgd", model.parameters())
+    train(model, opt, 0, 2)
+    sd, _ = fsdp2_state(model, opt, "recipe")
+    dcp.save(sd, checkpoint_id=path)
+    messages = []
+    cases = [
+        (lambda: sharded(1, {}), "adamw", None),  # the optimizer's class
+        (lambda: sharded(1, {}, renamed=True), "sgd", None),  # renamed, without names=
+        (lambda: sharded(1, {}), "sgd", swapped),  # shapes then differ
+        (lambda: sharded(1, {}), "sgd", None),  # and one that loads
+    ]
+    for build, opt_kind, names in cases:
+        ours = build()
+        before = shardwise.full_state_dict(ours, rank0_only=False)
+        try:
+            shardwise.load(path, ours, optimizer(opt_kind, ours.parameters()), names=names)
+            messages.append(None)
+        except CheckpointError as e:
+            after = shardwise.full_state_dict(ours, rank0_only=False)
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            messages.append(str(e))
+    return messages
+
+
+def test_mismatched_dcp_checkpoints_raise_named_errors(pools, tmp_path):
+    for messages in pools(2).run(load_mismatched, str(tmp_path / "ckpt")):
+        wrong_class, renamed, shapes, fine = messages
+        assert "not a AdamW" in wrong_class and "'momentum'" in wrong_class
+        assert "missing from the checkpoint" in renamed and "names=" in renamed
+        assert "'body.0.weight'" in renamed
+        assert "'model.4.weight' has shape [3, 11] in the checkpoint; '2.weight' needs [11, 17]" in shapes
+        assert fine is None
