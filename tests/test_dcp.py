@@ -14,6 +14,7 @@ from nets import batch
 
 import shardwise
 from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint import cli as convert_cli
 from shardwise.checkpoint.unpickling import UnsafeCheckpointError, read_metadata
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
@@ -163,11 +164,11 @@ def shardwise_resume(path, opt_kind, options, renamed, start):
     return info, losses, bare(shardwise.full_state_dict(model, rank0_only=False), renamed)
 
 
-def shardwise_train_save_continue(path, opt_kind, options, steps):
+def shardwise_train_save_continue(path, opt_kind, options, steps, format="dcp"):
     model = sharded(0, options)
     opt = optimizer(opt_kind, model.parameters())
     train(model, opt, 0, steps)
-    shardwise.save(path, model, opt, step=steps, format="dcp")
+    shardwise.save(path, model, opt, step=steps, extra={"next": steps}, format=format)
     losses = train(model, opt, steps, steps + STEPS)
     return losses, shardwise.full_state_dict(model, rank0_only=False)
 
@@ -227,6 +228,27 @@ def test_shardwise_dcp_save_resumes_in_fsdp2(pools, tmp_path, opt_kind, options,
     theirs, their_full = pools(1).run(fsdp2_resume, path, opt_kind, "shardwise", mixed, 5)[0]
     diff = assert_close(ours, our_full, theirs, their_full, TOL[mixed])
     print(f"shardwise N={saver} {opt_kind} {options} -> FSDP2 N=1: max difference {diff:.3g}")
+
+
+def test_convert_to_dcp_resumes_in_fsdp2(pools, tmp_path):
+    """A checkpoint in shardwise's own format, converted offline by ``shardwise convert --to
+    dcp``, resumes in FSDP2 as the shardwise run that saved it continues."""
+    native, converted = tmp_path / "native", tmp_path / "dcp"
+    ours, our_full = pools(2).run(
+        shardwise_train_save_continue, str(native), "adamw", {}, 5, "shardwise"
+    )[0]
+    convert_cli.main([str(native), str(converted), "--to", "dcp"])
+    assert sorted(os.listdir(tmp_path)) == ["dcp", "native"]
+    theirs, their_full = pools(1).run(fsdp2_resume, str(converted), "adamw", "shardwise", None, 5)[0]
+    diff = assert_close(ours, our_full, theirs, their_full, TOL[None])
+    print(f"shardwise N=2, converted to DCP -> FSDP2 N=1: max difference {diff:.3g}")
+    info = pools(1).run(load_info, str(converted))[0]
+    assert (info.step, info.extra, info.world_size) == (5, {"next": 5}, 2)
+
+
+def load_info(path):
+    model = sharded(0, {})
+    return shardwise.load(path, model, optimizer("adamw", model.parameters()))
 
 
 # --- safe to open: nothing a crafted checkpoint names runs

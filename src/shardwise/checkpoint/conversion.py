@@ -13,14 +13,18 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from . import files
-from .index import CheckpointError, TensorRecord, read_index
+from .index import CheckpointError, Index, TensorRecord, read_index
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
 def convert(
-    ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    to: str = "hf",
 ) -> list[Path]:
     """Write the parameters and buffers of checkpoint ``ckpt`` into the directory ``out`` as a
     standard safetensors model under the original names and dtypes; return the files written.
@@ -30,21 +34,20 @@ def convert(
     ``max_shard_bytes``, or one tensor if larger) and ``model.safetensors.index.json``. A tied
     parameter is stored once, under its first name. Every input file is checked against its
     CRC-32 first.
+
+    ``to="dcp"`` writes instead the torch.distributed.checkpoint directory that
+    ``save(format="dcp")`` would have written (model, optimizer, step and extra), which FSDP2
+    loads at any world size; each saved piece is read only as DCP writes it.
     """
     ckpt, out = Path(ckpt), Path(out)
+    if to == "dcp":
+        from .dcp_conversion import to_dcp  # it builds on this module
+
+        return to_dcp(ckpt, out)
+    if to != "hf":
+        raise CheckpointError(f"to must be 'hf' or 'dcp', not {to!r}")
     index = read_index(ckpt)
-    headers = {}
-    for name, meta in index.files.items():
-        path = ckpt / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
-        size, crc = files.checksum(path)
-        if (size, crc) != (meta["bytes"], meta["crc32"]):
-            raise CheckpointError(
-                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
-                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
-            )
-        headers[name] = files.header(path)
+    headers = verified_headers(ckpt, index)
     tensors = [t for t in index.tensors.values() if t.kind in ("param", "buffer")]
     groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
     shards = [[tensors[i] for i in g] for g in groups]
@@ -61,6 +64,23 @@ def convert(
             ]
             files.write(out / name, entries, metadata={"format": "pt"})
     return [out / name for name in names] + write_weight_map(out, names, shards)
+
+
+def verified_headers(ckpt: Path, index: Index) -> dict[str, tuple[int, dict]]:
+    """Each data file's safetensors header, once its size and CRC-32 match the index."""
+    headers = {}
+    for name, meta in index.files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
+        size, crc = files.checksum(path)
+        if (size, crc) != (meta["bytes"], meta["crc32"]):
+            raise CheckpointError(
+                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
+                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
+            )
+        headers[name] = files.header(path)
+    return headers
 
 
 def split_files(sizes: list[int], max_bytes: int) -> list[list[int]]:

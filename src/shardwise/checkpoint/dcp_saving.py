@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ class _Pieces(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return self._objects[index]
+        obj = self._objects[index]
+        return obj() if callable(obj) else obj  # a piece read from a file when written
 
 
 class _Collect:
@@ -69,6 +71,10 @@ class _Collect:
         piece = piece.detach()
         if piece.device.type != "cpu":
             piece = piece.to("cpu")
+        self.later(key, shape, lo, piece.shape, piece.dtype, piece)
+
+    def later(self, key, shape, lo, rows_shape, dtype, piece: torch.Tensor | Callable) -> None:
+        """Like ``rows``; ``piece`` may be a function that reads it when it is written."""
         offsets = torch.Size((lo, *[0] * (len(shape) - 1)) if shape else ())
         index = MetadataIndex(key, offsets)
         self.items.append(
@@ -76,8 +82,8 @@ class _Collect:
                 index=index,
                 type=WriteItemType.SHARD if shape else WriteItemType.TENSOR,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets, piece.shape),
-                    properties=TensorProperties(dtype=piece.dtype),
+                    chunk=ChunkStorageMetadata(offsets, torch.Size(rows_shape)),
+                    properties=TensorProperties(dtype=dtype),
                     size=torch.Size(shape),
                 ),
             )
@@ -185,13 +191,20 @@ def _collect_optimizer(pieces: _Collect, opt, slots, rank: int) -> None:
                     f"optimizer state '{key}' of parameter '{s.name}' is not a tensor shaped "
                     "like its parameter, a 0-dim tensor or a number: DCP export refuses it"
                 )
-    if rank != 0:
-        return
-    for gi, (group, names) in enumerate(zip(opt.param_groups, optimizer_names(opt, slots))):
-        pieces.value(f"{dcp.OPTIMIZER}param_groups.{gi}.params", names)
+    if rank == 0:
+        named = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": names}
+            for g, names in zip(opt.param_groups, optimizer_names(opt, slots))
+        ]
+        param_groups(pieces, named)
+
+
+def param_groups(pieces: _Collect, groups: list[dict]) -> None:
+    """The param groups (``params``: the parameter names) in FSDP2's form, by index, and in
+    torchtitan's flattened form, per parameter."""
+    for gi, group in enumerate(groups):
         for k, v in group.items():
-            if k == "params":
-                continue
             pieces.value(f"{dcp.OPTIMIZER}param_groups.{gi}.{k}", v)
-            for name in names:  # torchtitan's flattened form, per parameter
-                pieces.value(f"{dcp.OPTIMIZER}param_groups.{name}.{k}", v)
+            if k != "params":
+                for name in group["params"]:
+                    pieces.value(f"{dcp.OPTIMIZER}param_groups.{name}.{k}", v)
