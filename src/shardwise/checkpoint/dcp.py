@@ -32,10 +32,6 @@ OPTIMIZER = "optimizer."
 SHARDWISE = "shardwise"  # step, extra, world size and strategy of a shardwise save (JSON text)
 
 
-def is_dcp(path: Path) -> bool:
-    return (path / ".metadata").is_file()
-
-
 class SafeReader(FileSystemReader):
     """DCP's file reader, with the metadata read by the restricted unpickler."""
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from .. import collectives as C
 from . import commit, dcp
-from .index import CheckpointError
+from .index import CheckpointError, is_dcp
 from .saving import SaveHandle
 from .state import (
     is_per_element,
@@ -108,7 +108,7 @@ def save(
         _collect(pieces, model, rt, optimizer, rank, world)
         if rank == 0:
             json.dumps(extra)
-            if path.exists() and not (dcp.is_dcp(path) or commit.is_complete(path)):
+            if path.exists() and not (is_dcp(path) or commit.is_complete(path)):
                 raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to replace it")
             saved = {"step": step, "extra": extra, "world_size": world, "strategy": rt.sharding.value}
             pieces.value(dcp.SHARDWISE, json.dumps(saved))

@@ -162,6 +162,11 @@ def read_marker(path: Path) -> dict | None:
         return None
 
 
+def is_dcp(path: Path) -> bool:
+    """A torch.distributed.checkpoint directory (checkpoint/dcp.py), not one of ours."""
+    return (path / ".metadata").is_file()
+
+
 def read_index(path: Path) -> Index:
     """The index of a complete checkpoint; raises CheckpointError for anything else."""
     path = Path(path)

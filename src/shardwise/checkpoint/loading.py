@@ -28,8 +28,8 @@ from safetensors import safe_open
 
 from .. import collectives as C
 from ..policies import Sharding
-from . import dcp, files, pretrained
-from .index import CheckpointError, Index, Piece, TensorRecord, read_index
+from . import files, pretrained
+from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, read_index
 from .saving import finish_pending
 from .state import (
     ParamSlot,
@@ -195,8 +195,8 @@ def load(
     rt = runtime_of(model, "load")
     finish_pending(model)
     path = Path(path)
-    if dcp.is_dcp(path):
-        from . import dcp_loading  # it builds on this module
+    if is_dcp(path):
+        from . import dcp_loading  # it builds on this module (and loads DCP only when used)
 
         return dcp_loading.load(path, model, optimizer, names)
     if names is not None:
