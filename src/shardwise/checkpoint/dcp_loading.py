@@ -39,68 +39,13 @@ def load(
     """See ``shardwise.load``: a DCP directory (``.metadata`` and ``*.distcp``)."""
     rt = runtime_of(model, "load")
     group = rt.mesh.whole
-    rename = names or (lambda n: n)
     plan = _Plan(None, path, None)
     info: dict[str, Any] = {}
-    reading: dcp.Reading | None = None
     install: list[Callable[[], None]] = []
+    reading = None
     try:
         reading = dcp.Reading(path)
-        md = reading.metadata.state_dict_metadata
-        slots = param_slots(rt)
-        buffers = persistent_buffers(model)
-        aliases = {a for s in slots for a in s.aliases}
-        stored = _model_names(md, [s.name for s in slots] + list(buffers), aliases, rename)
-        for key in (dcp.SHARDWISE, "train_state.step"):
-            if isinstance(md.get(key), BytesStorageMetadata):
-                reading.value(key)
-            elif isinstance(md.get(key), TensorStorageMetadata) and not md[key].size:
-                info[key] = torch.zeros((), dtype=md[key].properties.dtype)
-                reading.rows(key, 0, 1, info[key])
-        opts = optimizers(optimizer)
-        if len(opts) > 1:
-            raise CheckpointError(
-                "a DCP checkpoint holds one optimizer's state: pass one optimizer"
-            )
-        # param groups and plain values are read now, to be checked before anything changes
-        prefix = _optimizer_prefix(md, slots, stored) if opts else None
-        if opts and prefix is None:
-            raise CheckpointError(
-                f"{path} holds no optimizer state for the model's parameters: pass "
-                "optimizer=None to load the model alone"
-            )
-        if prefix is not None:
-            for key, entry in md.items():
-                if key.startswith(prefix) and isinstance(entry, BytesStorageMetadata):
-                    reading.value(key)
-        info.update(reading.run())  # only the small values: the tensors' reads come next
-        for s in slots:
-            _plan_rows(
-                plan,
-                reading,
-                md,
-                stored[s.name],
-                s.name,
-                s.shape,
-                s.tensor.dtype,
-                s.held,
-                s.rows_view(s.tensor.detach()),
-            )
-        for name, b in buffers.items():
-            rows = b.shape[0] if b.dim() else 1
-            _plan_rows(
-                plan,
-                reading,
-                md,
-                stored[name],
-                name,
-                tuple(b.shape),
-                b.dtype,
-                (0, rows),
-                b.detach().view(rows, *b.shape[1:]),
-            )
-        if prefix is not None:
-            install.append(_plan_optimizer(plan, reading, md, opts[0], slots, stored, prefix, info))
+        _plan_load(plan, reading, path, model, rt, optimizer, names or (lambda n: n), info, install)
     except Exception as e:  # any rank's failure must reach the others
         plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
     _agree(plan, f"cannot load {path}", group)
@@ -124,6 +69,47 @@ def load(
     return _info(path, info)
 
 
+def _plan_load(plan, reading, path, model, rt, optimizer, rename, info, install) -> None:
+    """Read the small values into ``info`` and check everything; plan the tensors' reads (into
+    the model's shards and new optimizer state) and add what installs the optimizer's."""
+    md = reading.metadata.state_dict_metadata
+    slots = param_slots(rt)
+    buffers = persistent_buffers(model)
+    aliases = {a for s in slots for a in s.aliases}
+    under, stored = _model_names(md, [s.name for s in slots] + list(buffers), aliases, rename)
+    # model name -> the name its optimizer state is stored under (without ``model.``)
+    bare = {n: k[len(under) :] for n, k in stored.items()}
+    for key in (dcp.SHARDWISE, "train_state.step"):
+        if isinstance(md.get(key), BytesStorageMetadata):
+            reading.value(key)
+        elif isinstance(md.get(key), TensorStorageMetadata) and not md[key].size:
+            info[key] = torch.zeros((), dtype=md[key].properties.dtype)
+            reading.rows(key, 0, 1, info[key])
+    opts = optimizers(optimizer)
+    if len(opts) > 1:
+        raise CheckpointError("a DCP checkpoint holds one optimizer's state: pass one optimizer")
+    prefix = _optimizer_prefix(md, slots, bare) if opts else None
+    if opts and prefix is None:
+        raise CheckpointError(
+            f"{path} holds no optimizer state for the model's parameters: pass "
+            "optimizer=None to load the model alone"
+        )
+    if prefix is not None:  # param groups and plain state, to be checked before any change
+        for key, entry in md.items():
+            if key.startswith(prefix) and isinstance(entry, BytesStorageMetadata):
+                reading.value(key)
+    info.update(reading.run())  # only the small values: the tensors' reads come next
+    for s in slots:
+        dest = s.rows_view(s.tensor.detach())
+        _plan_rows(plan, reading, md, stored[s.name], s.name, s.shape, s.tensor.dtype, s.held, dest)
+    for name, b in buffers.items():
+        rows = b.shape[0] if b.dim() else 1
+        dest = b.detach().view(rows, *b.shape[1:])
+        _plan_rows(plan, reading, md, stored[name], name, tuple(b.shape), b.dtype, (0, rows), dest)
+    if prefix is not None:
+        install.append(_plan_optimizer(plan, reading, md, opts[0], slots, bare, prefix, info))
+
+
 def _info(path: Path, values: dict[str, Any]) -> CheckpointInfo:
     saved = json.loads(values[dcp.SHARDWISE]) if dcp.SHARDWISE in values else {}
     step = saved.get("step")
@@ -142,10 +128,10 @@ def _info(path: Path, values: dict[str, Any]) -> CheckpointInfo:
 
 def _model_names(
     md: dict, wanted: list[str], aliases: set[str], rename: Callable[[str], str]
-) -> dict[str, str]:
-    """Model name -> checkpoint key, under ``model.`` or at the top level, whichever holds them
-    all (after ``rename``, checkpoint name -> model name). A tied parameter's other names
-    (``aliases``) may be stored too, as FSDP2's state dict has them."""
+) -> tuple[str, dict[str, str]]:
+    """The prefix (``model.`` or none) under which the checkpoint holds every model name (after
+    ``rename``, checkpoint name -> model name), and model name -> checkpoint key. A tied
+    parameter's other names (``aliases``) may be stored too, as FSDP2's state dict has them."""
     best: tuple[int, str, dict[str, str]] | None = None
     for prefix in _MODEL_PREFIXES:
         found = {
@@ -162,7 +148,7 @@ def _model_names(
                         f"tensors in the checkpoint that the model does not have: {_names(extra)}"
                         " (names= maps the checkpoint's names to the model's)"
                     )
-            return {n: found[n] for n in wanted}
+            return prefix, {n: found[n] for n in wanted}
         if best is None or have > best[0]:
             best = (have, prefix, found)
     _, prefix, found = best
@@ -192,10 +178,10 @@ def _plan_rows(plan, reading, md, key, name, shape, dtype, held, dest) -> bool:
     return True
 
 
-def _optimizer_prefix(md: dict, slots: list[ParamSlot], stored: dict[str, str]) -> str | None:
+def _optimizer_prefix(md: dict, slots: list[ParamSlot], bare: dict[str, str]) -> str | None:
     """The prefix of the optimizer's keys (``optimizer.``, ``optim.``, ...), or None."""
     for s in slots:
-        marker = f"state.{_bare(stored[s.name])}."
+        marker = f"state.{bare[s.name]}."
         for key in md:
             at = key.find(marker)
             if at >= 0 and (at == 0 or key[at - 1] == "."):
@@ -203,12 +189,7 @@ def _optimizer_prefix(md: dict, slots: list[ParamSlot], stored: dict[str, str]) 
     return None
 
 
-def _bare(key: str) -> str:
-    """A model key without the ``model.`` prefix: the name optimizer state is stored under."""
-    return key[len(dcp.MODEL) :] if key.startswith(dcp.MODEL) else key
-
-
-def _plan_optimizer(plan, reading, md, opt, slots, stored, prefix, values) -> Callable[[], None]:
+def _plan_optimizer(plan, reading, md, opt, slots, bare, prefix, values) -> Callable[[], None]:
     """Check the optimizer against the checkpoint's param groups and plan its state's reads;
     return what installs the state and the hyper-parameters."""
     cls = type(opt).__name__
@@ -216,7 +197,7 @@ def _plan_optimizer(plan, reading, md, opt, slots, stored, prefix, values) -> Ca
     groups = _saved_groups(prefix, values)
     hypers: list[dict] = []
     for gi, g in enumerate(opt.param_groups):
-        keys = [_bare(stored[by_id[id(p)].name]) for p in g["params"]]
+        keys = [bare[by_id[id(p)].name] for p in g["params"]]
         saved = groups.get(keys[0]) if keys else None
         if saved is None or any(groups.get(k) is not saved for k in keys):
             raise CheckpointError(
@@ -230,14 +211,14 @@ def _plan_optimizer(plan, reading, md, opt, slots, stored, prefix, values) -> Ca
                 f"{sorted(theirs - mine)}, which {cls}'s lack"
             )
         hypers.append(saved)  # keys a newer torch added keep this optimizer's values
-    per_element = _per_element_keys(md, prefix, slots, stored)
+    per_element = _per_element_keys(md, prefix, slots, bare)
     state: dict[ParamSlot, dict[str, Any]] = {}
     for g in opt.param_groups:
         for p in g["params"]:
             s = by_id[id(p)]
             if s.elsewhere:  # owned by another rank: it holds the state
                 continue
-            base = f"{prefix}state.{_bare(stored[s.name])}."
+            base = f"{prefix}state.{bare[s.name]}."
             for key, entry in md.items():
                 if not key.startswith(base) or "." in key[len(base) :]:
                     continue
@@ -321,7 +302,7 @@ def _saved_groups(prefix: str, values: dict[str, Any]) -> dict[str, dict]:
 
 
 def _per_element_keys(
-    md: dict, prefix: str, slots: list[ParamSlot], stored: dict[str, str]
+    md: dict, prefix: str, slots: list[ParamSlot], bare: dict[str, str]
 ) -> set[str]:
     """State keys stored shaped like their parameter for some parameter that is not 0-dim (a
     0-dim parameter's moments look like Adam's 0-dim ``step``)."""
@@ -329,7 +310,7 @@ def _per_element_keys(
     for s in slots:
         if not s.shape:
             continue
-        base = f"{prefix}state.{_bare(stored[s.name])}."
+        base = f"{prefix}state.{bare[s.name]}."
         for key, entry in md.items():
             if (
                 key.startswith(base)
