@@ -330,6 +330,21 @@ def load_mismatched(path):
         (lambda: sharded(1, {}), "sgd", swapped),  # shapes then differ
         (lambda: sharded(1, {}), "sgd", None),  # and one that loads
     ]
+    ours = sharded(1, {})
+    opt = optimizer("sgd", ours.parameters())
+    not_a_checkpoint = os.path.join(os.path.dirname(path), "notes")
+    os.makedirs(not_a_checkpoint, exist_ok=True)
+    for kwargs in (
+        {"format": "xyz"},
+        {"format": "dcp", "async_": True},
+        {"format": "dcp", "path": not_a_checkpoint},
+    ):
+        kwargs = {"path": path + "-out", **kwargs}
+        try:
+            shardwise.save(kwargs.pop("path"), ours, opt, **kwargs)
+            messages.append(None)
+        except CheckpointError as e:
+            messages.append(str(e))
     for build, opt_kind, names in cases:
         ours = build()
         before = shardwise.full_state_dict(ours, rank0_only=False)
@@ -345,7 +360,10 @@ def load_mismatched(path):
 
 def test_mismatched_dcp_checkpoints_raise_named_errors(pools, tmp_path):
     for messages in pools(2).run(load_mismatched, str(tmp_path / "ckpt")):
-        wrong_class, renamed, shapes, fine = messages
+        bad_format, asynchronous, occupied, wrong_class, renamed, shapes, fine = messages
+        assert "format must be 'shardwise' or 'dcp', not 'xyz'" in bad_format
+        assert "saves synchronously" in asynchronous
+        assert "exists and is not a checkpoint" in occupied
         assert "not a AdamW" in wrong_class and "'momentum'" in wrong_class
         assert "missing from the checkpoint" in renamed and "names=" in renamed
         assert "'body.0.weight'" in renamed
