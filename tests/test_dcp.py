@@ -5,6 +5,7 @@ into FSDP2 and train as shardwise continuing does; a crafted ``.metadata`` runs 
 
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -272,6 +273,23 @@ def test_crafted_metadata_runs_nothing(tmp_path):
     with open(tmp_path / "ckpt" / ".metadata", "rb") as f:  # the payload is live: plain pickle runs it
         pickle.load(f)
     assert marker.exists()
+
+
+def test_metadata_pointing_outside_the_directory_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint.dcp import Reading
+
+    with warnings.catch_warnings():  # one process, on purpose
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert Reading(tmp_path / "ckpt").metadata.state_dict_metadata["w"].size == (2,)
+    metadata = read_metadata(tmp_path / "ckpt")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"'\.\./outside\.distcp', outside the checkpoint's"):
+        Reading(tmp_path / "ckpt")
 
 
 def load_crafted(path, marker, where):

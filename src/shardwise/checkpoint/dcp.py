@@ -36,8 +36,6 @@ class SafeReader(FileSystemReader):
     """DCP's file reader, with the metadata read by the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError(f"{self.path}: per-rank DCP metadata files are not supported")
         return read_metadata(Path(self.path))
 
 
@@ -81,6 +79,13 @@ class Reading:
     def __init__(self, path: Path):
         self.reader = SafeReader(path)
         self.metadata = self.reader.read_metadata()
+        for info in self.metadata.storage_data.values():  # files of this directory only
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise CheckpointError(
+                    f"{path}/.metadata points at the data file {name!r}, outside the "
+                    "checkpoint's directory: refusing to read it"
+                )
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=False)
         self._planner = _Targets()
         self._items: list[ReadItem] = []
