@@ -72,7 +72,9 @@ def rank_main(rounds: int, root: str) -> dict:
         return opt
 
     torch.manual_seed(0)
-    ours = shardwise.shard(GPT(gpt_config("medium", seq_len=64)), wrap=shardwise.wrap.by_class(Block))
+    ours = shardwise.shard(
+        GPT(gpt_config("medium", seq_len=64)), wrap=shardwise.wrap.by_class(Block)
+    )
     our_opt = stepped(ours)
     torch.manual_seed(0)
     theirs = GPT(gpt_config("medium", seq_len=64))
@@ -90,7 +92,9 @@ def rank_main(rounds: int, root: str) -> dict:
         msd, osd = get_state_dict(theirs, their_opt)
         sd = {"model": msd, "optimizer": osd}
         dcp.load(sd, checkpoint_id=path)
-        set_state_dict(theirs, their_opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        set_state_dict(
+            theirs, their_opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"]
+        )
 
     cases = {
         "shardwise, own format": (
@@ -124,7 +128,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root:
         ranks = launch_local(a.nproc, rank_main, a.rounds, root)
     names = list(next(iter(ranks.values())))
-    print(f"N={a.nproc}, {a.rounds} rounds: slowest rank's median seconds; largest per-rank peak RSS growth")
+    print(
+        f"N={a.nproc}, {a.rounds} rounds: slowest rank's median seconds; largest per-rank peak RSS growth"
+    )
     print("| system | save s | save peak MiB | load s | load peak MiB |")
     print("| --- | --- | --- | --- | --- |")
     for name in names:
@@ -132,7 +138,9 @@ def main() -> None:
         cols = []
         for i, kind in enumerate(("s", "MiB", "s", "MiB")):
             if kind == "s":
-                cols.append(f"{statistics.median(max(rk[i] for rk in rnd) for rnd in per_round):.2f}")
+                cols.append(
+                    f"{statistics.median(max(rk[i] for rk in rnd) for rnd in per_round):.2f}"
+                )
             else:
                 cols.append(f"{max(rk[i] for rnd in per_round for rk in rnd):.0f}")
         print(f"| {name} | " + " | ".join(cols) + " |")

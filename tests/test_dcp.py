@@ -20,7 +20,10 @@ from shardwise.checkpoint.unpickling import UnsafeCheckpointError, read_metadata
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 STEPS = 20  # trained after the load, on both sides
-TOL = {None: 1e-6, "bf16": 1e-2}  # fp32: reduction-order noise; bf16: its rounding, grown by 20 AdamW steps
+TOL = {
+    None: 1e-6,
+    "bf16": 1e-2,
+}  # fp32: reduction-order noise; bf16: its rounding, grown by 20 AdamW steps
 
 
 def net(seed=0):
@@ -55,7 +58,9 @@ def train(model, opt, start, stop):
     losses = []
     for step in range(start, stop):
         x, y = batch("mlp", step, GLOBAL_BATCH)
-        loss = nn.functional.cross_entropy(model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per])
+        loss = nn.functional.cross_entropy(
+            model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -196,19 +201,25 @@ FROM_FSDP2 = [  # (optimizer, layout, shardwise's options, world sizes: FSDP2 sa
 @pytest.mark.parametrize(
     "opt_kind,layout,options,sizes", FROM_FSDP2, ids=lambda v: str(v).replace(" ", "")
 )
-def test_fsdp2_checkpoint_resumes_in_shardwise_as_in_fsdp2(pools, tmp_path, opt_kind, layout, options, sizes):
+def test_fsdp2_checkpoint_resumes_in_shardwise_as_in_fsdp2(
+    pools, tmp_path, opt_kind, layout, options, sizes
+):
     saver, resumer = sizes
     mixed = options.get("mixed_precision")
     renamed = layout == "torchtitan"  # and its modules renamed: names= maps them
     path = pools(saver).run(fsdp2_train_and_save, str(tmp_path), opt_kind, layout, mixed, 5)[0]
-    info, ours, our_full = pools(resumer).run(shardwise_resume, path, opt_kind, options, renamed, 5)[0]
+    info, ours, our_full = pools(resumer).run(
+        shardwise_resume, path, opt_kind, options, renamed, 5
+    )[0]
     theirs, their_full = pools(resumer).run(fsdp2_resume, path, opt_kind, layout, mixed, 5)[0]
     start = pools(1).run(initial)[0]
     moved = min((their_full[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-2  # both really trained (25 steps) from the same start
     assert info.step == (5 if layout == "torchtitan" else None) and not info.rng_restored
     diff = assert_close(ours, our_full, theirs, their_full, TOL[mixed])
-    print(f"FSDP2 N={saver} -> N={resumer}, {opt_kind}, {layout}, {options}: max difference {diff:.3g}")
+    print(
+        f"FSDP2 N={saver} -> N={resumer}, {opt_kind}, {layout}, {options}: max difference {diff:.3g}"
+    )
 
 
 TO_FSDP2 = [  # (optimizer, shardwise's options, world size of the save; FSDP2 resumes at 1)
@@ -240,7 +251,9 @@ def test_convert_to_dcp_resumes_in_fsdp2(pools, tmp_path):
     )[0]
     convert_cli.main([str(native), str(converted), "--to", "dcp"])
     assert sorted(os.listdir(tmp_path)) == ["dcp", "native"]
-    theirs, their_full = pools(1).run(fsdp2_resume, str(converted), "adamw", "shardwise", None, 5)[0]
+    theirs, their_full = pools(1).run(fsdp2_resume, str(converted), "adamw", "shardwise", None, 5)[
+        0
+    ]
     diff = assert_close(ours, our_full, theirs, their_full, TOL[None])
     print(f"shardwise N=2, converted to DCP -> FSDP2 N=1: max difference {diff:.3g}")
     info = pools(1).run(load_info, str(converted))[0]
@@ -266,11 +279,15 @@ class Payload:
 def test_crafted_metadata_runs_nothing(tmp_path):
     marker = tmp_path / "ran"
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Payload(marker)}))
+    (tmp_path / "ckpt" / ".metadata").write_bytes(
+        pickle.dumps({"state_dict_metadata": Payload(marker)})
+    )
     with pytest.raises(UnsafeCheckpointError, match=r"posix\.system.*refusing to open it"):
         read_metadata(tmp_path / "ckpt")
     assert not marker.exists()
-    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:  # the payload is live: plain pickle runs it
+    with open(
+        tmp_path / "ckpt" / ".metadata", "rb"
+    ) as f:  # the payload is live: plain pickle runs it
         pickle.load(f)
     assert marker.exists()
 
@@ -300,7 +317,10 @@ def load_crafted(path, marker, where):
     plain = net(0)
     state = {"2.weight": {"momentum_buffer": Payload(marker) if where == "value" else None}}
     groups = [{"lr": 0.05, "momentum": 0.9, "params": ["2.weight"]}]
-    dcp.save({"model": plain.state_dict(), "optimizer": {"state": state, "param_groups": groups}}, checkpoint_id=path)
+    dcp.save(
+        {"model": plain.state_dict(), "optimizer": {"state": state, "param_groups": groups}},
+        checkpoint_id=path,
+    )
     dist.barrier()
     if where == "metadata" and dist.get_rank() == 0:
         with open(os.path.join(path, ".metadata"), "wb") as f:
@@ -324,7 +344,11 @@ def test_crafted_dcp_checkpoint_ends_in_a_named_error(pools, tmp_path, where):
     assert not marker.exists()
     for message, unchanged in out:  # every rank raises, nothing changed
         assert message is not None and unchanged
-        assert "posix.system" in message if where == "metadata" else "'optimizer.state.2.weight.momentum_buffer' holds more than plain data" in message
+        assert (
+            "posix.system" in message
+            if where == "metadata"
+            else "'optimizer.state.2.weight.momentum_buffer' holds more than plain data" in message
+        )
 
 
 # --- mismatches: named errors on every rank, before anything changed
@@ -385,7 +409,10 @@ def test_mismatched_dcp_checkpoints_raise_named_errors(pools, tmp_path):
         assert "not a AdamW" in wrong_class and "'momentum'" in wrong_class
         assert "missing from the checkpoint" in renamed and "names=" in renamed
         assert "'body.0.weight'" in renamed
-        assert "'model.4.weight' has shape [3, 11] in the checkpoint; '2.weight' needs [11, 17]" in shapes
+        assert (
+            "'model.4.weight' has shape [3, 11] in the checkpoint; '2.weight' needs [11, 17]"
+            in shapes
+        )
         assert fine is None
 
 
@@ -397,7 +424,9 @@ def tied_save(path):
     opt = optimizer("adamw", model.parameters())
     x, y = batch("tied", 0, 4)
     r = dist.get_rank()
-    nn.functional.cross_entropy(model(x[2 * r : 2 * r + 2]).flatten(0, 1), y[2 * r : 2 * r + 2].flatten()).backward()
+    nn.functional.cross_entropy(
+        model(x[2 * r : 2 * r + 2]).flatten(0, 1), y[2 * r : 2 * r + 2].flatten()
+    ).backward()
     opt.step()
     shardwise.save(path, model, opt, format="dcp")
     return shardwise.full_state_dict(model, rank0_only=False)

@@ -44,9 +44,7 @@ def to_dcp(ckpt: Path, out: Path) -> list[Path]:
         raise CheckpointError(f"{out} exists: convert writes a new directory")
     pieces = _Collect()
     with ExitStack() as stack:
-        handles = {
-            f: stack.enter_context(safe_open(ckpt / f, framework="pt")) for f in index.files
-        }
+        handles = {f: stack.enter_context(safe_open(ckpt / f, framework="pt")) for f in index.files}
         for t in index.tensors.values():
             if t.kind in ("param", "buffer"):
                 keys = [dcp.MODEL + n for n in (t.name, *t.aliases)]

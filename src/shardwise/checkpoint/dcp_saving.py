@@ -96,32 +96,48 @@ class _Collect:
         self.objects[index] = value
 
 
-def save(
-    path: Path, model: nn.Module, optimizer, step: int | None, extra: Any
-) -> SaveHandle:
+def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) -> SaveHandle:
     """See ``shardwise.save``: ``format="dcp"`` (collective, synchronous)."""
     rt = runtime_of(model, "save")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     problem, pieces = "", _Collect()
     try:
-        _collect(pieces, model, rt, optimizer, rank, world)
+        _collect(pieces, model, rt, optimizer, rank)
         if rank == 0:
-            json.dumps(extra)
+            try:
+                json.dumps(extra)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"extra must be JSON-serialisable: {e}") from e
+            if step is not None and not isinstance(step, int):
+                raise CheckpointError(f"step must be an int or None, got {step!r}")
             if path.exists() and not (is_dcp(path) or commit.is_complete(path)):
-                raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to replace it")
-            saved = {"step": step, "extra": extra, "world_size": world, "strategy": rt.sharding.value}
+                raise CheckpointError(
+                    f"{path} exists and is not a checkpoint: refusing to replace it"
+                )
+            saved = {
+                "step": step,
+                "extra": extra,
+                "world_size": world,
+                "strategy": rt.sharding.value,
+            }
             pieces.value(dcp.SHARDWISE, json.dumps(saved))
     except Exception as e:  # must reach the other ranks, or they would wait for this one
         problem = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     answers: list = [None] * world
     C.blocking(
-        "all_gather", "DCP save agreement", dist.all_gather_object,
-        answers, (problem, uuid.uuid4().hex[:12]), group=group,
+        "all_gather",
+        "DCP save agreement",
+        dist.all_gather_object,
+        answers,
+        (problem, uuid.uuid4().hex[:12]),
+        group=group,
     )
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(answers) if p]
     if problems:
-        raise CheckpointError(f"save to {path} refused, nothing was written: " + "; ".join(problems))
+        raise CheckpointError(
+            f"save to {path} refused, nothing was written: " + "; ".join(problems)
+        )
     tmp = commit.temp_dir(path, answers[0][1])
     outcome: list = [""]
     try:
@@ -140,13 +156,15 @@ def save(
             outcome[0] = f"renaming {tmp} to {path} failed: {e}"
     if rank == 0 and outcome[0]:
         commit.discard(tmp)
-    C.blocking("broadcast", "DCP save outcome", dist.broadcast_object_list, outcome, src=0, group=group)
+    C.blocking(
+        "broadcast", "DCP save outcome", dist.broadcast_object_list, outcome, src=0, group=group
+    )
     if outcome[0]:
         raise CheckpointError(f"save to {path} failed, nothing was committed: {outcome[0]}")
     return SaveHandle(path)
 
 
-def _collect(pieces: _Collect, model, rt, optimizer, rank: int, world: int) -> None:
+def _collect(pieces: _Collect, model, rt, optimizer, rank: int) -> None:
     slots = param_slots(rt)
     for s in slots:
         lo, hi = s.saved
