@@ -244,7 +244,8 @@ def test_shardwise_dcp_save_resumes_in_fsdp2(pools, tmp_path, opt_kind, options,
 
 def test_convert_to_dcp_resumes_in_fsdp2(pools, tmp_path):
     """A checkpoint in shardwise's own format, converted offline by ``shardwise convert --to
-    dcp``, resumes in FSDP2 as the shardwise run that saved it continues."""
+    dcp``, resumes in FSDP2 as the shardwise run that saved it continues; converted back
+    (``--to shardwise``), it resumes as the original does."""
     native, converted = tmp_path / "native", tmp_path / "dcp"
     ours, our_full = pools(2).run(
         shardwise_train_save_continue, str(native), "adamw", {}, 5, "shardwise"
@@ -258,6 +259,17 @@ def test_convert_to_dcp_resumes_in_fsdp2(pools, tmp_path):
     print(f"shardwise N=2, converted to DCP -> FSDP2 N=1: max difference {diff:.3g}")
     info = pools(1).run(load_info, str(converted))[0]
     assert (info.step, info.extra, info.world_size) == (5, {"next": 5}, 2)
+    # and back (--to shardwise): step, extra and world size kept; no RNG states to restore
+    back = tmp_path / "back"
+    to_shardwise = [str(converted), str(back), "--to", "shardwise", "--model", "test_dcp:net"]
+    with pytest.raises(SystemExit, match="saved by shardwise from a AdamW: drop --optimizer SGD"):
+        convert_cli.main([*to_shardwise, "--optimizer", "SGD"])
+    convert_cli.main(to_shardwise)  # the class recorded by shardwise: no --optimizer needed
+    (info, ours, our_full), (_, theirs, their_full) = pools(2).run(
+        resume_converted_and_dcp, str(back), str(native), "adamw"
+    )[0]
+    assert (info.step, info.extra, info.world_size, info.rng_restored) == (5, {"next": 5}, 2, False)
+    assert_close(ours, our_full, theirs, their_full, 0.0)
 
 
 def load_info(path):
@@ -459,3 +471,100 @@ def test_tied_parameter_round_trips_through_dcp(pools, tmp_path):
     for got in (ours, theirs):
         assert all(torch.equal(saved[k], got[k]) for k in saved)
     assert torch.equal(theirs["head.weight"], saved["emb.weight"])
+
+
+# --- DCP -> shardwise's format, offline: `shardwise convert CKPT OUT --to shardwise`
+def resume_converted_and_dcp(converted, path, opt_kind):
+    """Load the converted checkpoint and the one it came from into two models, and train both
+    the same 20 steps."""
+    out = []
+    for where in (converted, path):
+        info, losses, full = shardwise_resume(where, opt_kind, {}, False, 5)
+        out.append((info, losses, full))
+    return out
+
+
+FROM_DCP = [  # (optimizer, FSDP2's layout, what convert is told besides --model)
+    ("adamw", "recipe", ["--optimizer", "AdamW"]),  # Adam's and AdamW's groups look alike
+    ("sgd", "recipe", []),  # SGD is known by its hyper-parameters
+    ("adamw", "torchtitan", ["--optimizer", "AdamW"]),
+]
+
+
+@pytest.mark.parametrize("opt_kind,layout,flags", FROM_DCP, ids=lambda v: str(v).replace(" ", ""))
+def test_convert_fsdp2_checkpoint_to_shardwise_resumes_as_the_dcp(
+    pools, tmp_path, opt_kind, layout, flags
+):
+    """FSDP2 saves DCP at N=2; converted offline to shardwise's format, it loads at N=3 and
+    trains as loading the DCP directory itself does."""
+    path = pools(2).run(fsdp2_train_and_save, str(tmp_path / "dcp"), opt_kind, layout, None, 5)[0]
+    converted = tmp_path / "native"
+    convert_cli.main([path, str(converted), "--to", "shardwise", "--model", "test_dcp:net", *flags])
+    assert sorted(os.listdir(converted)) == [
+        "COMMITTED",
+        "index.json",
+        "rank-00000-of-00001.safetensors",
+    ]
+    (info, ours, our_full), (dinfo, theirs, their_full) = pools(3).run(
+        resume_converted_and_dcp, str(converted), path, opt_kind
+    )[0]
+    start = pools(1).run(initial)[0]
+    assert min((our_full[k] - start[k]).abs().max().item() for k in start) > 1e-2  # trained
+    step = 5 if layout == "torchtitan" else None
+    assert (info.step, info.world_size, info.strategy, info.rng_restored) == (
+        step,
+        None,
+        None,
+        False,
+    )
+    assert dinfo.step == step
+    diff = assert_close(ours, our_full, theirs, their_full, TOL[None])
+    print(f"FSDP2 N=2 {opt_kind} {layout} -> converted -> shardwise N=3: max difference {diff:.3g}")
+
+
+class WithBuffer(nn.Module):
+    """``net`` and a persistent buffer the checkpoint lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = net()
+        self.register_buffer("scale", torch.ones(3))
+
+
+def bigger():
+    return nn.Sequential(
+        nn.Linear(13, 18), nn.Tanh(), nn.Linear(18, 11), nn.Tanh(), nn.Linear(11, 3)
+    )
+
+
+def test_convert_to_shardwise_refuses_what_it_cannot_tell(pools, tmp_path, capsys):
+    """Each ambiguity or mismatch is a named error saying the fix, and nothing is written."""
+    path = pools(1).run(fsdp2_train_and_save, str(tmp_path / "dcp"), "adamw", "recipe", None, 1)[0]
+    out = tmp_path / "out"
+
+    def refused(*flags):
+        with pytest.raises(SystemExit) as e:  # the message, no traceback
+            convert_cli.main([path, str(out), "--to", "shardwise", *flags])
+        assert not out.exists()
+        return str(e.value)
+
+    refused()  # argparse's error, on stderr
+    assert "needs the checkpoint's model" in capsys.readouterr().err
+    m = refused("--model", "test_dcp:nowhere")
+    assert "--model 'test_dcp:nowhere'" in m
+    m = refused("--model", "test_dcp:net")
+    assert "fit several optimizers (Adam, AdamW)" in m and "--optimizer AdamW" in m
+    m = refused("--model", "test_dcp:net", "--optimizer", "SGD")
+    assert "not a SGD" in m and "'betas'" in m
+    m = refused("--model", "test_dcp:net", "--optimizer", "Adamw")
+    assert "not an optimizer of torch.optim" in m and "AdamW" in m
+    m = refused("--model", "test_dcp:bigger", "--optimizer", "AdamW")
+    assert "'model.0.weight' has shape [17, 13]" in m and "'0.weight' has [18, 13]" in m
+    m = refused("--model", "test_dcp:WithBuffer", "--optimizer", "AdamW")
+    assert "missing from the checkpoint" in m and "'scale'" in m
+    refused("--model", "test_dcp:net", "--to", "dcp")
+    assert "go with --to shardwise" in capsys.readouterr().err
+    out.mkdir()
+    with pytest.raises(SystemExit, match="exists: convert writes a new directory"):
+        convert_cli.main([path, str(out), "--to", "shardwise", "--model", "test_dcp:net"])
+    assert os.listdir(out) == []

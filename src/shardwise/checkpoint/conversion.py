@@ -12,6 +12,8 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch.nn as nn
+
 from . import files
 from .index import CheckpointError, Index, TensorRecord, read_index
 
@@ -25,6 +27,8 @@ def convert(
     *,
     max_shard_bytes: int = 5 * 2**30,
     to: str = "hf",
+    model: nn.Module | None = None,
+    optimizer: str | None = None,
 ) -> list[Path]:
     """Write the parameters and buffers of checkpoint ``ckpt`` into the directory ``out`` as a
     standard safetensors model under the original names and dtypes; return the files written.
@@ -38,14 +42,31 @@ def convert(
     ``to="dcp"`` writes instead the torch.distributed.checkpoint directory that
     ``save(format="dcp")`` would have written (model, optimizer, step and extra), which FSDP2
     loads at any world size; each saved piece is read only as DCP writes it.
+
+    ``to="shardwise"`` reads ``ckpt`` as a DCP directory (FSDP2's, torchtitan's) and writes it
+    in shardwise's own format. It needs the ``model`` the checkpoint belongs to (built on the
+    meta device is enough), which tells parameters from buffers, and, where the saved
+    hyper-parameters fit several torch.optim classes (Adam and AdamW do), the ``optimizer``'s
+    class name.
     """
     ckpt, out = Path(ckpt), Path(out)
+    if to not in ("hf", "dcp", "shardwise"):
+        raise CheckpointError(f"to must be 'hf', 'dcp' or 'shardwise', not {to!r}")
+    if to != "shardwise" and (model is not None or optimizer is not None):
+        raise CheckpointError("model and optimizer apply to to='shardwise' only")
+    if to == "shardwise":
+        if model is None:
+            raise CheckpointError(
+                "to='shardwise' needs the model the checkpoint belongs to (it tells parameters "
+                "from buffers): build it on the meta device"
+            )
+        from .native_conversion import from_dcp
+
+        return from_dcp(ckpt, out, model, optimizer)
     if to == "dcp":
         from .dcp_conversion import to_dcp  # it builds on this module
 
         return to_dcp(ckpt, out)
-    if to != "hf":
-        raise CheckpointError(f"to must be 'hf' or 'dcp', not {to!r}")
     index = read_index(ckpt)
     headers = verified_headers(ckpt, index)
     tensors = [t for t in index.tensors.values() if t.kind in ("param", "buffer")]

@@ -65,6 +65,7 @@ def to_dcp(ckpt: Path, out: Path) -> list[Path]:
             "extra": index.extra,
             "world_size": index.world_size,
             "strategy": index.strategy,
+            "optimizer": saved[0]["class"] if saved else None,
         }
         pieces.value(dcp.SHARDWISE, json.dumps(meta))
         tmp = commit.temp_dir(out, uuid.uuid4().hex[:12])

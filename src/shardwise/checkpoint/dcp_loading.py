@@ -76,7 +76,7 @@ def _plan_load(plan, reading, path, model, rt, optimizer, rename, info, install)
     slots = param_slots(rt)
     buffers = persistent_buffers(model)
     aliases = {a for s in slots for a in s.aliases}
-    under, stored = _model_names(md, [s.name for s in slots] + list(buffers), aliases, rename)
+    under, stored = model_names(md, [s.name for s in slots] + list(buffers), aliases, rename)
     # model name -> the name its optimizer state is stored under (without ``model.``)
     bare = {n: k[len(under) :] for n, k in stored.items()}
     for key in (dcp.SHARDWISE, "train_state.step"):
@@ -88,7 +88,7 @@ def _plan_load(plan, reading, path, model, rt, optimizer, rename, info, install)
     opts = optimizers(optimizer)
     if len(opts) > 1:
         raise CheckpointError("a DCP checkpoint holds one optimizer's state: pass one optimizer")
-    prefix = _optimizer_prefix(md, slots, bare) if opts else None
+    prefix = optimizer_prefix(md, [bare[s.name] for s in slots]) if opts else None
     if opts and prefix is None:
         raise CheckpointError(
             f"{path} holds no optimizer state for the model's parameters: pass "
@@ -126,7 +126,7 @@ def _info(path: Path, values: dict[str, Any]) -> CheckpointInfo:
     )
 
 
-def _model_names(
+def model_names(
     md: dict, wanted: list[str], aliases: set[str], rename: Callable[[str], str]
 ) -> tuple[str, dict[str, str]]:
     """The prefix (``model.`` or none) under which the checkpoint holds every model name (after
@@ -178,10 +178,11 @@ def _plan_rows(plan, reading, md, key, name, shape, dtype, held, dest) -> bool:
     return True
 
 
-def _optimizer_prefix(md: dict, slots: list[ParamSlot], bare: dict[str, str]) -> str | None:
-    """The prefix of the optimizer's keys (``optimizer.``, ``optim.``, ...), or None."""
-    for s in slots:
-        marker = f"state.{bare[s.name]}."
+def optimizer_prefix(md: dict, params: list[str]) -> str | None:
+    """The prefix of the optimizer's keys (``optimizer.``, ``optim.``, ...) for the parameters
+    stored under the names ``params``, or None."""
+    for name in params:
+        marker = f"state.{name}."
         for key in md:
             at = key.find(marker)
             if at >= 0 and (at == 0 or key[at - 1] == "."):
@@ -194,7 +195,7 @@ def _plan_optimizer(plan, reading, md, opt, slots, bare, prefix, values) -> Call
     return what installs the state and the hyper-parameters."""
     cls = type(opt).__name__
     by_id = {id(s.tensor): s for s in slots}
-    groups = _saved_groups(prefix, values)
+    groups = saved_groups(prefix, values)
     hypers: list[dict] = []
     for gi, g in enumerate(opt.param_groups):
         keys = [bare[by_id[id(p)].name] for p in g["params"]]
@@ -211,7 +212,7 @@ def _plan_optimizer(plan, reading, md, opt, slots, bare, prefix, values) -> Call
                 f"{sorted(theirs - mine)}, which {cls}'s lack"
             )
         hypers.append(saved)  # keys a newer torch added keep this optimizer's values
-    per_element = _per_element_keys(md, prefix, slots, bare)
+    per_element = per_element_keys(md, prefix, {bare[s.name]: s.shape for s in slots})
     state: dict[ParamSlot, dict[str, Any]] = {}
     for g in opt.param_groups:
         for p in g["params"]:
@@ -272,7 +273,7 @@ def _plan_optimizer(plan, reading, md, opt, slots, bare, prefix, values) -> Call
     return install
 
 
-def _saved_groups(prefix: str, values: dict[str, Any]) -> dict[str, dict]:
+def saved_groups(prefix: str, values: dict[str, Any]) -> dict[str, dict]:
     """Checkpoint parameter name -> its param group's hyper-parameters (one dict per group),
     from FSDP2's ``param_groups.<i>.<hyper>`` with ``params``, or torchtitan's flattened
     ``param_groups.<param>.<hyper>``."""
@@ -301,21 +302,19 @@ def _saved_groups(prefix: str, values: dict[str, Any]) -> dict[str, dict]:
     return out
 
 
-def _per_element_keys(
-    md: dict, prefix: str, slots: list[ParamSlot], bare: dict[str, str]
-) -> set[str]:
-    """State keys stored shaped like their parameter for some parameter that is not 0-dim (a
-    0-dim parameter's moments look like Adam's 0-dim ``step``)."""
+def per_element_keys(md: dict, prefix: str, shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """State keys stored shaped like their parameter (stored name -> shape) for some parameter
+    that is not 0-dim (a 0-dim parameter's moments look like Adam's 0-dim ``step``)."""
     keys = set()
-    for s in slots:
-        if not s.shape:
+    for name, shape in shapes.items():
+        if not shape:
             continue
-        base = f"{prefix}state.{bare[s.name]}."
+        base = f"{prefix}state.{name}."
         for key, entry in md.items():
             if (
                 key.startswith(base)
                 and isinstance(entry, TensorStorageMetadata)
-                and tuple(entry.size) == s.shape
+                and tuple(entry.size) == shape
             ):
                 keys.add(key[len(base) :])
     return keys

@@ -120,6 +120,8 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
                 "extra": extra,
                 "world_size": world,
                 "strategy": rt.sharding.value,
+                # the class, which the DCP keys do not say: convert(to="shardwise") needs it
+                "optimizer": next((type(o).__name__ for o in optimizers(optimizer)), None),
             }
             pieces.value(dcp.SHARDWISE, json.dumps(saved))
     except Exception as e:  # must reach the other ranks, or they would wait for this one

@@ -103,8 +103,8 @@ class TensorRecord:
 class Index:
     """Everything ``index.json`` holds (field by field in docs/checkpoints.md)."""
 
-    world_size: int
-    strategy: str
+    world_size: int | None  # None (and strategy None, rng []): converted from FSDP2's DCP
+    strategy: str | None
     step: int | None
     extra: Any
     files: dict[str, dict]  # file name -> {"bytes": size, "crc32": hex}

@@ -161,7 +161,14 @@ def _copy(
 def _agree(plan: _Plan, what: str, group) -> None:
     """Raise on every rank if any rank found a problem (a collective)."""
     everyone: list = [None] * dist.get_world_size(group)
-    C.blocking("all_gather", "checkpoint load agreement", dist.all_gather_object, everyone, plan.problems, group=group)
+    C.blocking(
+        "all_gather",
+        "checkpoint load agreement",
+        dist.all_gather_object,
+        everyone,
+        plan.problems,
+        group=group,
+    )
     merged = list(dict.fromkeys(p for problems in everyone for p in problems))
     if merged:
         raise CheckpointError(f"{what}; nothing was changed: " + "; ".join(merged))
@@ -221,9 +228,10 @@ def load(
                 held = {n for o in opts for names in optimizer_names(o, slots) for n in names}
                 for opt, entry in zip(opts, saved):
                     restore.append(_plan_optimizer(plan, index, opt, entry, slots, held))
-            if index.world_size == world:
+            same = index.world_size == world and bool(index.rng)  # a converted DCP has none
+            if same:
                 restore.append(_plan_rng(plan, index.rng[rank]))
-            restore.append(_plan_residuals(plan, index.rng[rank] if index.world_size == world else {}, rt))
+            restore.append(_plan_residuals(plan, index.rng[rank] if same else {}, rt))
         except Exception as e:  # any rank's failure must reach the others: see _agree
             plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
         _agree(plan, f"cannot load {path}", group)
@@ -233,7 +241,12 @@ def load(
         for r in restore:
             r()
     return CheckpointInfo(
-        path, index.step, index.extra, index.world_size, Sharding.of(index.strategy), index.world_size == world
+        path,
+        index.step,
+        index.extra,
+        index.world_size,
+        Sharding.of(index.strategy) if index.strategy else None,
+        index.world_size == world and bool(index.rng),
     )
 
 
