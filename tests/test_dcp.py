@@ -468,9 +468,18 @@ def test_tied_parameter_round_trips_through_dcp(pools, tmp_path):
     ours, _ = pools(3).run(tied_load, path, "shardwise")[0]
     theirs, state_keys = pools(1).run(tied_load, path, "fsdp2")[0]
     assert state_keys == ["exp_avg", "exp_avg_sq", "step"]
-    for got in (ours, theirs):
+    native = str(tmp_path / "native")  # and converted to shardwise's format: one weight, two names
+    convert_cli.main([path, native, "--to", "shardwise", "--model", "test_dcp:tied_model"])
+    converted, _ = pools(3).run(tied_load, native, "shardwise")[0]
+    for got in (ours, theirs, converted):
         assert all(torch.equal(saved[k], got[k]) for k in saved)
     assert torch.equal(theirs["head.weight"], saved["emb.weight"])
+
+
+def tied_model():
+    from nets import make
+
+    return make("tied", 0)
 
 
 # --- DCP -> shardwise's format, offline: `shardwise convert CKPT OUT --to shardwise`
@@ -568,3 +577,31 @@ def test_convert_to_shardwise_refuses_what_it_cannot_tell(pools, tmp_path, capsy
     with pytest.raises(SystemExit, match="exists: convert writes a new directory"):
         convert_cli.main([path, str(out), "--to", "shardwise", "--model", "test_dcp:net"])
     assert os.listdir(out) == []
+
+
+def test_convert_to_shardwise_with_a_hugging_face_config(tmp_path, monkeypatch):
+    """``--hf CONFIG_DIR`` names the model as ``shardwise plan`` does: a model-only DCP save of
+    a transformers model converts with its tied head recorded as one parameter, bit for bit."""
+    transformers = pytest.importorskip("transformers", reason="needs the [hf] extra")
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from shardwise.checkpoint.index import read_index
+
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=31, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    config.save_pretrained(tmp_path / "config")
+    model = transformers.GPT2LMHeadModel(config)
+    with warnings.catch_warnings():  # one process, on purpose: DCP warns it assumes so
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    monkeypatch.chdir(tmp_path)
+    convert_cli.main(["dcp", "native", "--to", "shardwise", "--hf", "config"])
+    index = read_index(tmp_path / "native")
+    stored = load_file(tmp_path / "native" / "rank-00000-of-00001.safetensors")
+    assert index.optimizer is None and index.step is None
+    assert index.tensors["transformer.wte.weight"].aliases == ("lm_head.weight",)
+    expected = dict(model.named_parameters())  # first names only: the head is the embedding
+    assert {n for n, t in index.tensors.items() if t.kind == "param"} == set(expected)
+    assert all(torch.equal(stored[n], p.detach()) for n, p in expected.items())

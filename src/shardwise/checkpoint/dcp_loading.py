@@ -126,12 +126,20 @@ def _info(path: Path, values: dict[str, Any]) -> CheckpointInfo:
     )
 
 
+_RENAMED = "a model whose modules were renamed takes names=, a function from the checkpoint's names to the model's"
+
+
 def model_names(
-    md: dict, wanted: list[str], aliases: set[str], rename: Callable[[str], str]
+    md: dict,
+    wanted: list[str],
+    aliases: set[str],
+    rename: Callable[[str], str],
+    fix: str = _RENAMED,
 ) -> tuple[str, dict[str, str]]:
     """The prefix (``model.`` or none) under which the checkpoint holds every model name (after
     ``rename``, checkpoint name -> model name), and model name -> checkpoint key. A tied
-    parameter's other names (``aliases``) may be stored too, as FSDP2's state dict has them."""
+    parameter's other names (``aliases``) may be stored too, as FSDP2's state dict has them.
+    ``fix``: what the error for names that differ tells to do."""
     best: tuple[int, str, dict[str, str]] | None = None
     for prefix in _MODEL_PREFIXES:
         found = {
@@ -145,8 +153,8 @@ def model_names(
                 extra = sorted(set(found) - set(wanted) - aliases)
                 if extra:
                     raise CheckpointError(
-                        f"tensors in the checkpoint that the model does not have: {_names(extra)}"
-                        " (names= maps the checkpoint's names to the model's)"
+                        f"tensors in the checkpoint that the model does not have: {_names(extra)}; "
+                        + fix
                     )
             return prefix, {n: found[n] for n in wanted}
         if best is None or have > best[0]:
@@ -155,8 +163,7 @@ def model_names(
     missing = [n for n in wanted if n not in found]
     raise CheckpointError(
         f"tensors missing from the checkpoint (looked under '{prefix or 'the top level'}'): "
-        f"{_names(missing)}; a model whose modules were renamed takes names=, a function "
-        "from the checkpoint's names to the model's"
+        f"{_names(missing)}; {fix}"
     )
 
 

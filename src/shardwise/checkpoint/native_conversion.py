@@ -44,8 +44,8 @@ def from_dcp(ckpt: Path, out: Path, model: nn.Module, optimizer: str | None) -> 
     md = reading.metadata.state_dict_metadata
     params = _parameters(model)
     buffers = {n: tuple(b.shape) for n, b in persistent_buffers(model).items()}
-    aliases = {a for names in params.values() for a in names[1:]}
-    under, stored = model_names(md, list(params) + list(buffers), aliases, lambda n: n)
+    aliases = {a for _, names in params.values() for a in names}
+    under, stored = model_names(md, list(params) + list(buffers), aliases, lambda n: n, _RENAMED)
     for name, (shape, _) in {**params, **{b: (s, ()) for b, s in buffers.items()}}.items():
         if tuple(md[stored[name]].size) != shape:
             raise CheckpointError(
@@ -81,6 +81,13 @@ def from_dcp(ckpt: Path, out: Path, model: nn.Module, optimizer: str | None) -> 
         v = values.get("train_state.step")
         step = int(v if v is not None else _read(reading, "train_state.step", md))
     return _write(ckpt, out, reading, md, records, saved_opt, step, meta)
+
+
+_RENAMED = (
+    "convert needs the model the checkpoint was saved from; for one whose modules were "
+    "renamed, load the DCP directory with shardwise.load(path, model, opt, names=...) and "
+    "shardwise.save it"
+)
 
 
 def _parameters(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
