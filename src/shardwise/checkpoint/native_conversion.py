@@ -29,6 +29,12 @@ from .dcp_loading import model_names, optimizer_prefix, per_element_keys, saved_
 from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, rank_file
 from .state import persistent_buffers
 
+_RENAMED = (
+    "convert needs the model the checkpoint was saved from; for one whose modules were "
+    "renamed, load the DCP directory with shardwise.load(path, model, opt, names=...) and "
+    "shardwise.save it"
+)
+
 
 def from_dcp(ckpt: Path, out: Path, model: nn.Module, optimizer: str | None) -> list[Path]:
     """Write the DCP directory ``ckpt`` as the shardwise checkpoint ``out`` for ``model`` (its
@@ -73,7 +79,7 @@ def from_dcp(ckpt: Path, out: Path, model: nn.Module, optimizer: str | None) -> 
             raise CheckpointError(
                 f"{ckpt} was saved by shardwise from a {recorded}: drop --optimizer {optimizer}"
             )
-        saved_opt = _optimizer(md, prefix, values, params, bare, recorded or optimizer, records)
+        saved_opt = _optimizer(md, prefix, values, params, bare, recorded, optimizer, records)
     elif optimizer is not None:
         raise CheckpointError(f"{ckpt} holds no optimizer state: drop --optimizer {optimizer}")
     step = meta.get("step")
@@ -81,13 +87,6 @@ def from_dcp(ckpt: Path, out: Path, model: nn.Module, optimizer: str | None) -> 
         v = values.get("train_state.step")
         step = int(v if v is not None else _read(reading, "train_state.step", md))
     return _write(ckpt, out, reading, md, records, saved_opt, step, meta)
-
-
-_RENAMED = (
-    "convert needs the model the checkpoint was saved from; for one whose modules were "
-    "renamed, load the DCP directory with shardwise.load(path, model, opt, names=...) and "
-    "shardwise.save it"
-)
 
 
 def _parameters(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -119,13 +118,14 @@ def _read(reading: dcp.Reading, key: str, md: dict) -> torch.Tensor:
     return t
 
 
-def _optimizer(md, prefix, values, params, bare, optimizer, records) -> dict:
-    """The index's optimizer entry (class, param groups by model name, plain values); adds the
-    state tensors' records to ``records``."""
+def _optimizer(md, prefix, values, params, bare, recorded, optimizer, records) -> dict:
+    """The index's optimizer entry (class: as ``recorded`` by shardwise, else inferred or as
+    named by ``optimizer``; param groups by model name; plain values); adds the state tensors'
+    records to ``records``."""
     model_of = {b: n for n, b in bare.items()}
     groups = _groups(prefix, values, model_of, list(params))
     hypers = set().union(*(set(g) - {"params"} for g in groups))
-    cls = _optimizer_class(hypers, optimizer)
+    cls = recorded or _optimizer_class(hypers, optimizer)
     per_element = per_element_keys(md, prefix, {bare[n]: params[n][0] for n in bare})
     head = prefix + "state."
     opt_values: dict[str, dict] = {}
