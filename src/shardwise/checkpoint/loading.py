@@ -161,14 +161,7 @@ def _copy(
 def _agree(plan: _Plan, what: str, group) -> None:
     """Raise on every rank if any rank found a problem (a collective)."""
     everyone: list = [None] * dist.get_world_size(group)
-    C.blocking(
-        "all_gather",
-        "checkpoint load agreement",
-        dist.all_gather_object,
-        everyone,
-        plan.problems,
-        group=group,
-    )
+    C.blocking("all_gather", "checkpoint load agreement", dist.all_gather_object, everyone, plan.problems, group=group)
     merged = list(dict.fromkeys(p for problems in everyone for p in problems))
     if merged:
         raise CheckpointError(f"{what}; nothing was changed: " + "; ".join(merged))

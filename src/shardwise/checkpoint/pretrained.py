@@ -101,9 +101,7 @@ def save_pretrained(
             feed.drain()
     outcome = [problem]
     if dist.get_world_size() > 1:
-        C.blocking(
-            "broadcast", "save_pretrained outcome", dist.broadcast_object_list, outcome, src=0
-        )
+        C.blocking("broadcast", "save_pretrained outcome", dist.broadcast_object_list, outcome, src=0)
     if outcome[0]:
         raise CheckpointError(f"save_pretrained to {path} failed on rank 0: {outcome[0]}")
     return path
@@ -155,9 +153,7 @@ def _parts(t: Exported, feed: UnitFeed):
     return parts
 
 
-def exported_tensors(
-    model: nn.Module, rt: Runtime, dtype: torch.dtype | None
-) -> Iterator[Exported]:
+def exported_tensors(model: nn.Module, rt: Runtime, dtype: torch.dtype | None) -> Iterator[Exported]:
     """The parameters, unit by unit (a tied one once, under its first name), then the
     persistent buffers."""
 
@@ -238,11 +234,7 @@ def merged_names(
     for mname, module in model.named_modules():
         if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
             continue
-        if (
-            type(module) is not LoraLinear
-            or module.use_dora.get(adapter)
-            or module.lora_bias.get(adapter)
-        ):
+        if type(module) is not LoraLinear or module.use_dora.get(adapter) or module.lora_bias.get(adapter):
             raise NotImplementedError(
                 f"'{mname}': merging a peft {type(module).__name__} layer (DoRA, LoRA bias or "
                 "non-Linear LoRA) into its base weight is not supported; merge_and_unload() it first"

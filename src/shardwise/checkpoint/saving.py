@@ -115,9 +115,7 @@ class _Report:
     )  # (name, start, stop) in its file
     rng: dict[str, str] = field(default_factory=dict)  # its own state: RNG, error feedback
     meta: dict | None = None  # rank 0: strategy, step, extra, optimizer
-    values: dict = field(
-        default_factory=dict
-    )  # optimizer numbers of the parameters it writes whole
+    values: dict = field(default_factory=dict)  # optimizer numbers of the parameters it writes whole
     written: dict | None = None  # {"bytes", "crc32"} once the file is on disk
     error: str = ""
 
@@ -181,12 +179,8 @@ def save(
         problem = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     answers: list = [None] * world
     C.blocking(
-        "all_gather",
-        "checkpoint save agreement",
-        dist.all_gather_object,
-        answers,
-        (problem, uuid.uuid4().hex[:12]),
-        group=group,
+        "all_gather", "checkpoint save agreement", dist.all_gather_object,
+        answers, (problem, uuid.uuid4().hex[:12]), group=group,
     )
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(answers) if p]
     if problems:
@@ -222,9 +216,7 @@ def _snapshot(
         # a host copy when the write runs later or the tensor is not in host memory
         return t.detach().to("cpu", copy=True) if copy or t.device.type != "cpu" else t.detach()
 
-    def add(
-        rec: TensorRecord, slot: ParamSlot | None, t: torch.Tensor, whole: bool | None = None
-    ) -> None:
+    def add(rec: TensorRecord, slot: ParamSlot | None, t: torch.Tensor, whole: bool | None = None) -> None:
         rep.records.append(rec)
         if slot is None:  # buffers and scalars: whole, from rank 0 (or as ``whole`` says)
             if (rank == 0) if whole is None else whole:
@@ -271,12 +263,7 @@ def _snapshot(
             raise CheckpointError(f"step must be an int or None, got {step!r}")
         if path.exists() and not commit.is_complete(path):
             raise CheckpointError(f"{path} exists and is not a checkpoint: refusing to replace it")
-        rep.meta = {
-            "strategy": rt.sharding.value,
-            "step": step,
-            "extra": extra,
-            "optimizer": opt_meta,
-        }
+        rep.meta = {"strategy": rt.sharding.value, "step": step, "extra": extra, "optimizer": opt_meta}
     return snap
 
 
@@ -297,12 +284,7 @@ def _optimizer_state(optimizer, slots: list[ParamSlot], add) -> dict[str, dict]:
             if is_per_element(p, key, v, keys):
                 add(TensorRecord(name, "optim", v.dtype, s.shape, param=s.name, key=key), s, v)
             elif torch.is_tensor(v) and v.dim() == 0:
-                add(
-                    TensorRecord(name, "optim_scalar", v.dtype, (), param=s.name, key=key),
-                    None,
-                    v,
-                    s.writes_whole,
-                )
+                add(TensorRecord(name, "optim_scalar", v.dtype, (), param=s.name, key=key), None, v, s.writes_whole)
             elif v is None or isinstance(v, (bool, int, float)):
                 if s.writes_whole:
                     values.setdefault(s.name, {})[key] = v
@@ -357,25 +339,10 @@ def _write_and_commit(snap: _Snapshot, tmp: Path, path: Path, group) -> None:
     outcome: list = [None]
     try:
         reports = [None] * world if rank == 0 else None
-        C.blocking(
-            "gather",
-            "checkpoint save reports",
-            dist.gather_object,
-            report,
-            reports,
-            dst=0,
-            group=group,
-        )
+        C.blocking("gather", "checkpoint save reports", dist.gather_object, report, reports, dst=0, group=group)
         if rank == 0:
             outcome[0] = _commit(reports, tmp, path)
-        C.blocking(
-            "broadcast",
-            "checkpoint save outcome",
-            dist.broadcast_object_list,
-            outcome,
-            src=0,
-            group=group,
-        )
+        C.blocking("broadcast", "checkpoint save outcome", dist.broadcast_object_list, outcome, src=0, group=group)
     except RuntimeError as e:  # a rank died or stalled: the collective timed out
         raise CheckpointError(
             f"save to {path} did not complete: another rank failed or died during it ({e}). "

@@ -38,9 +38,7 @@ class ParamSlot:
     aliases: tuple[str, ...]  # its other qualified names (tied parameters)
     shape: tuple[int, ...]  # full shape
     held: tuple[int, int]  # rows of the full parameter that ``tensor`` holds
-    saved: tuple[
-        int, int
-    ]  # rows this rank writes (within ``held``; none outside the first replica)
+    saved: tuple[int, int]  # rows this rank writes (within ``held``; none outside the first replica)
     tensor: nn.Parameter  # what model.parameters() yields: the shard, or the whole parameter
     # this rank writes the parameter's optimizer scalars and numbers: rank 0, or for an owned
     # parameter its owner in the first replica (the only rank whose optimizer steps it)
@@ -83,10 +81,7 @@ def param_slots(rt: Runtime) -> list[ParamSlot]:
             if owner is None:
                 mine, whole = owned_rows(shape, unit.rank, unit.world), rank0
             else:
-                mine, whole = (
-                    unit.layout.slots[i].row_range(unit.rank),
-                    writes and owner == unit.rank,
-                )
+                mine, whole = unit.layout.slots[i].row_range(unit.rank), writes and owner == unit.rank
             held = mine if sharded else (0, shape[0] if shape else 1)
             saved = mine if writes else (mine[0], mine[0])
             elsewhere = owner is not None and owner != unit.rank
@@ -134,9 +129,7 @@ def optimizers(optimizer) -> list[torch.optim.Optimizer]:
     opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     bad = [type(o).__name__ for o in opts if not isinstance(o, torch.optim.Optimizer)]
     if bad:
-        raise CheckpointError(
-            f"optimizer must be a torch.optim.Optimizer or a list of them, got {bad}"
-        )
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {bad}")
     return opts
 
 
