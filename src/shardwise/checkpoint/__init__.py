@@ -5,8 +5,12 @@
 
 Modules: files (safetensors I/O, checksums), index (the directory format), commit (crash
 safety), state (the live model and optimizer by name and rows), saving, loading, conversion,
-pretrained (Hugging Face export, transformers' names), cli (``shardwise convert``). The format
-and protocol: docs/checkpoints.md.
+pretrained (Hugging Face export, transformers' names), cli (``shardwise convert``); for
+torch.distributed.checkpoint (DCP) directories, FSDP2's and torchtitan's: dcp (the format and
+its reads), unpickling (the restricted unpickler for its ``.metadata``), dcp_loading,
+dcp_saving (``save(format="dcp")``), dcp_conversion (``convert(to="dcp")``),
+native_conversion (``convert(to="shardwise")``, a DCP directory in this format). The formats and
+protocol: docs/checkpoints.md.
 """
 
 from .commit import latest

@@ -12,15 +12,23 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch.nn as nn
+
 from . import files
-from .index import CheckpointError, TensorRecord, read_index
+from .index import CheckpointError, Index, TensorRecord, read_index
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
 def convert(
-    ckpt: str | os.PathLike, out: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    to: str = "hf",
+    model: nn.Module | None = None,
+    optimizer: str | None = None,
 ) -> list[Path]:
     """Write the parameters and buffers of checkpoint ``ckpt`` into the directory ``out`` as a
     standard safetensors model under the original names and dtypes; return the files written.
@@ -30,21 +38,37 @@ def convert(
     ``max_shard_bytes``, or one tensor if larger) and ``model.safetensors.index.json``. A tied
     parameter is stored once, under its first name. Every input file is checked against its
     CRC-32 first.
+
+    ``to="dcp"`` writes instead the torch.distributed.checkpoint directory that
+    ``save(format="dcp")`` would have written (model, optimizer, step and extra), which FSDP2
+    loads at any world size; each saved piece is read only as DCP writes it.
+
+    ``to="shardwise"`` reads ``ckpt`` as a DCP directory (FSDP2's, torchtitan's) and writes it
+    in shardwise's own format. It needs the ``model`` the checkpoint belongs to (built on the
+    meta device is enough), which tells parameters from buffers, and, where the saved
+    hyper-parameters fit several torch.optim classes (Adam and AdamW do), the ``optimizer``'s
+    class name.
     """
     ckpt, out = Path(ckpt), Path(out)
-    index = read_index(ckpt)
-    headers = {}
-    for name, meta in index.files.items():
-        path = ckpt / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
-        size, crc = files.checksum(path)
-        if (size, crc) != (meta["bytes"], meta["crc32"]):
+    if to not in ("hf", "dcp", "shardwise"):
+        raise CheckpointError(f"to must be 'hf', 'dcp' or 'shardwise', not {to!r}")
+    if to != "shardwise" and (model is not None or optimizer is not None):
+        raise CheckpointError("model and optimizer apply to to='shardwise' only")
+    if to == "shardwise":
+        if model is None:
             raise CheckpointError(
-                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
-                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
+                "to='shardwise' needs the model the checkpoint belongs to (it tells parameters "
+                "from buffers): build it on the meta device"
             )
-        headers[name] = files.header(path)
+        from .native_conversion import from_dcp
+
+        return from_dcp(ckpt, out, model, optimizer)
+    if to == "dcp":
+        from .dcp_conversion import to_dcp  # it builds on this module
+
+        return to_dcp(ckpt, out)
+    index = read_index(ckpt)
+    headers = verified_headers(ckpt, index)
     tensors = [t for t in index.tensors.values() if t.kind in ("param", "buffer")]
     groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
     shards = [[tensors[i] for i in g] for g in groups]
@@ -61,6 +85,23 @@ def convert(
             ]
             files.write(out / name, entries, metadata={"format": "pt"})
     return [out / name for name in names] + write_weight_map(out, names, shards)
+
+
+def verified_headers(ckpt: Path, index: Index) -> dict[str, tuple[int, dict]]:
+    """Each data file's safetensors header, once its size and CRC-32 match the index."""
+    headers = {}
+    for name, meta in index.files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
+        size, crc = files.checksum(path)
+        if (size, crc) != (meta["bytes"], meta["crc32"]):
+            raise CheckpointError(
+                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
+                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
+            )
+        headers[name] = files.header(path)
+    return headers
 
 
 def split_files(sizes: list[int], max_bytes: int) -> list[list[int]]:

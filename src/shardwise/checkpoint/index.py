@@ -103,8 +103,8 @@ class TensorRecord:
 class Index:
     """Everything ``index.json`` holds (field by field in docs/checkpoints.md)."""
 
-    world_size: int
-    strategy: str
+    world_size: int | None  # None (and strategy None, rng []): converted from FSDP2's DCP
+    strategy: str | None
     step: int | None
     extra: Any
     files: dict[str, dict]  # file name -> {"bytes": size, "crc32": hex}
@@ -160,6 +160,11 @@ def read_marker(path: Path) -> dict | None:
         return json.loads((path / MARKER).read_bytes())
     except (OSError, ValueError):
         return None
+
+
+def is_dcp(path: Path) -> bool:
+    """A torch.distributed.checkpoint directory (checkpoint/dcp.py), not one of ours."""
+    return (path / ".metadata").is_file()
 
 
 def read_index(path: Path) -> Index:

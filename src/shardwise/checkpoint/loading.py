@@ -29,7 +29,7 @@ from safetensors import safe_open
 from .. import collectives as C
 from ..policies import Sharding
 from . import files, pretrained
-from .index import CheckpointError, Index, Piece, TensorRecord, read_index
+from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, read_index
 from .saving import finish_pending
 from .state import (
     ParamSlot,
@@ -48,8 +48,8 @@ class CheckpointInfo:
     path: Path
     step: int | None  # as given to save()
     extra: Any  # as given to save() (rank 0's)
-    world_size: int  # of the save
-    strategy: Sharding  # of the save
+    world_size: int | None  # of the save (None: a DCP checkpoint that shardwise did not write)
+    strategy: Sharding | None  # of the save (likewise)
     rng_restored: bool  # each rank's RNG states were restored (only at the saved world size)
 
 
@@ -171,6 +171,8 @@ def load(
     path: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    names: Callable[[str], str] | None = None,
 ) -> CheckpointInfo:
     """Load a checkpoint written by ``save()`` into a sharded model (and optimizer).
 
@@ -182,12 +184,25 @@ def load(
     saved (residuals start from zero otherwise: they belong to the saved rows of each rank). Any mismatch (a missing or
     extra tensor, shape, dtype, a missing, truncated or corrupt file) raises CheckpointError
     on every rank, naming the tensor and the file, before anything is changed.
+
+    A torch.distributed.checkpoint directory (``.metadata``, as FSDP2's ``dcp.save`` or
+    torchtitan's ``step-N/`` writes it) loads too: the model and one optimizer (AdamW, SGD,
+    ...), each rank reading the saved chunks that hold its rows; its metadata is unpickled by
+    a restricted unpickler and its values with ``weights_only``. ``names`` maps the
+    checkpoint's parameter names to the model's (renamed modules); DCP checkpoints only. RNG
+    states are not in a DCP checkpoint (``rng_restored`` is False).
     """
     rt = runtime_of(model, "load")
     finish_pending(model)
+    path = Path(path)
+    if is_dcp(path):
+        from . import dcp_loading  # it builds on this module (and loads DCP only when used)
+
+        return dcp_loading.load(path, model, optimizer, names)
+    if names is not None:
+        raise CheckpointError("names= applies to DCP checkpoints; shardwise's own match by name")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    path = Path(path)
     index: Index | None = None
     with ExitStack() as stack:
         plan = _Plan(stack, path, None)
@@ -206,9 +221,10 @@ def load(
                 held = {n for o in opts for names in optimizer_names(o, slots) for n in names}
                 for opt, entry in zip(opts, saved):
                     restore.append(_plan_optimizer(plan, index, opt, entry, slots, held))
-            if index.world_size == world:
+            same = index.world_size == world and bool(index.rng)  # a converted DCP has none
+            if same:
                 restore.append(_plan_rng(plan, index.rng[rank]))
-            restore.append(_plan_residuals(plan, index.rng[rank] if index.world_size == world else {}, rt))
+            restore.append(_plan_residuals(plan, index.rng[rank] if same else {}, rt))
         except Exception as e:  # any rank's failure must reach the others: see _agree
             plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
         _agree(plan, f"cannot load {path}", group)
@@ -218,7 +234,12 @@ def load(
         for r in restore:
             r()
     return CheckpointInfo(
-        path, index.step, index.extra, index.world_size, Sharding.of(index.strategy), index.world_size == world
+        path,
+        index.step,
+        index.extra,
+        index.world_size,
+        Sharding.of(index.strategy) if index.strategy else None,
+        index.world_size == world and bool(index.rng),
     )
 
 

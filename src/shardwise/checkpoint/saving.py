@@ -134,6 +134,7 @@ def save(
     step: int | None = None,
     extra: Any = None,
     async_: bool = False,
+    format: str = "shardwise",
 ) -> SaveHandle:
     """Write a checkpoint of a sharded model (and optimizer) to the directory ``path``.
 
@@ -151,9 +152,23 @@ def save(
     async_: copy the snapshot to host memory and write it in a background thread while
     training continues; the returned handle's ``wait()`` blocks until it is committed. A later
     save or load of the model waits for it first.
+
+    format: ``"shardwise"`` (this format, the default) or ``"dcp"``: a
+    torch.distributed.checkpoint directory as FSDP2 writes ``{"model": ..., "optimizer": ...}``
+    (one optimizer), which FSDP2's ``dcp.load`` and ``set_state_dict`` read at any world size
+    and ``load`` reads back; every rank writes its rows in parallel. It holds no RNG states
+    and is written synchronously.
     """
     rt = runtime_of(model, "save")
     finish_pending(model)
+    if format == "dcp":
+        if async_:
+            raise CheckpointError("format='dcp' saves synchronously: drop async_=True")
+        from . import dcp_saving  # it builds on this module
+
+        return dcp_saving.save(Path(path), model, optimizer, step, extra)
+    if format != "shardwise":
+        raise CheckpointError(f"format must be 'shardwise' or 'dcp', not {format!r}")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     path = Path(path)
