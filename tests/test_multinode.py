@@ -50,10 +50,9 @@ def agent(
     restarts: int = 0,
 ) -> subprocess.Popen:
     """One torchrun agent (a "node" of 2 ranks); its output goes to ``logs/<node>.out|err``.
-    ``host``: it serves the rendezvous store (the other agent connects to it). Each round of
-    ranks gets a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): an agent that stays
-    node rank 0 across a restart would otherwise hand the new ranks its old store, whose keys
-    still name the dead ranks' addresses (pytorch/pytorch#135712)."""
+    ``host``: it serves the rendezvous store (the other agent connects to it). No environment
+    variable for restarts: ``shardwise.init()`` keys each attempt's groups apart in torchrun's
+    shared store (the launch line of the README)."""
     conf = f"is_host={int(host)}" + (f",{rdzv_conf}" if rdzv_conf else "")
     cmd = [
         sys.executable,
@@ -82,7 +81,6 @@ def agent(
         OMP_NUM_THREADS="1",
         TEST_NODE=node,
         PYTHONPATH=PYTHONPATH,
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
     with open(logs / f"{node}.out", "w") as out, open(logs / f"{node}.err", "w") as err:
         return subprocess.Popen(
