@@ -499,6 +499,29 @@ def test_save_refuses_what_it_cannot_store_or_replace(pools, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "mine"]
 
 
+def two_optimizers_over_one_parameter(path):
+    """A DiLoCo-like pair (inner and outer over the same parameters) in one checkpoint."""
+    model = sharded("mlp")
+    inner, outer = adamw(model), torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9)
+    train("mlp", model, inner, 0, 1)
+    outer.zero_grad(set_to_none=False)
+    outer.step()  # both now hold state for every parameter
+    try:
+        ckpt.save(path, model, [inner, outer])
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_two_optimizers_over_one_parameter_are_refused(pools, tmp_path):
+    """Optimizer state is keyed by parameter: two optimizers over one parameter would mix
+    their states (AdamW's and SGD's) in one checkpoint, silently."""
+    for msg in pools(2).run(two_optimizers_over_one_parameter, tmp_path / "x"):
+        assert msg is not None, "save did not raise"
+        assert "optimizers 0 (AdamW) and 1 (SGD) both hold one parameter" in msg, msg
+        assert "a checkpoint of its own" in msg
+    assert not (tmp_path / "x").exists()
+
+
 # --- conversion to a standard safetensors model, and back in with each rank reading its rows
 def test_convert_gives_a_standard_model(source, tmp_path):
     path, saved = source[0], source[1]

@@ -130,6 +130,19 @@ def optimizers(optimizer) -> list[torch.optim.Optimizer]:
     bad = [type(o).__name__ for o in opts if not isinstance(o, torch.optim.Optimizer)]
     if bad:
         raise CheckpointError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {bad}")
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(opts):
+        for gi, g in enumerate(opt.param_groups):
+            for pi, p in enumerate(g["params"]):
+                first = owner.setdefault(id(p), i)
+                if first != i:
+                    raise CheckpointError(
+                        f"optimizers {first} ({type(opts[first]).__name__}) and {i} "
+                        f"({type(opt).__name__}) both hold one parameter (param group {gi}, "
+                        f"position {pi}, shape {tuple(p.shape)}): a checkpoint keys optimizer "
+                        "state by parameter, so their states would mix. Save each in a "
+                        "checkpoint of its own (ft.diloco: shardwise.save(path, model, opt.outer))"
+                    )
     return opts
 
 
