@@ -580,3 +580,20 @@ def test_blocks_alike_planned_from_a_few_equal_the_whole(monkeypatch, build, kw)
     assert len(reused) == len(whole) and all(e is not None for e in reused)  # (no fallback)
     for a, w in zip(alike, whole):
         assert a == w, (a.label, a, w)
+
+
+def test_budget_search_planned_from_a_few_blocks_equals_the_whole(monkeypatch):
+    """The budget search on blocks alike (its profile of FLOPs and saved activations taken on a
+    few blocks, its configurations planned from a few): the same path, step times and peaks
+    byte for byte, as planning every configuration whole gives."""
+    from shardwise.planner import repeats
+
+    with torch.device("meta"):
+        wrap = shardwise.wrap.auto(many_blocks())
+    plan = lambda: P.plan(many_blocks, world_size=4, wrap=wrap, batch_size=2, backend="gloo", budget=1)  # noqa: E731
+    monkeypatch.setattr(repeats, "FROM", 10**6)
+    whole = plan()
+    monkeypatch.setattr(repeats, "FROM", 4)
+    few = plan()
+    assert [(s.why, s.seconds, s.estimate) for s in few.path] == [(s.why, s.seconds, s.estimate) for s in whole.path]
+    assert len(few.path) >= 3 and few.dropped == whole.dropped
