@@ -37,7 +37,11 @@ did, where moving one block at a time cost a whole-model plan per block and kind
 The path's steps are coarser, so a budget refines the one it first fits (``refine``): the move
 made on the first m blocks of the group only, m guessed by interpolating the peak between the
 configuration it was made on and the step, and each guess planned whole with the real runtime
-(a configuration that treats blocks differently is not alike), kept where it fits.
+(a configuration that treats blocks differently is not alike), kept where it fits. Moving a
+group can stop short of the smallest peak a move per unit reaches (offloading the last block's
+activations saves nothing, as its backward comes first, but takes the place of recomputing it):
+where nothing fits, a model planned whole (small) is searched again a unit a move (plan.py); a
+model planned from a few blocks is not, as each such move is a whole-model plan.
 """
 
 from __future__ import annotations

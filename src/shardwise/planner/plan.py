@@ -471,9 +471,14 @@ def plan(
         else:
             together = repeats_.together(probe, names)
             limit = parse_bytes(budget)
-            steps, dropped = planner.search(
-                together, wrap, strategies[0].hybrid, world_size, backend, limit, _bar if progress else None
-            )
+            bar = _bar if progress else None
+            steps, dropped = planner.search(together, wrap, strategies[0].hybrid, world_size, backend, limit, bar)
+            if search.needs(steps[-1]) > limit and job.repeats is None and len(together) < len(names):
+                # (nothing fits with blocks moved together: a move per unit goes further, e.g.
+                # the last block, whose backward comes first, recomputed where offloading its
+                # activations saves nothing; a model planned whole is small enough for it)
+                singles = [(n,) for n in names]
+                steps, dropped = planner.search(singles, wrap, strategies[0].hybrid, world_size, backend, limit, bar)
             steps = planner.refine(steps, limit)
             estimates = [s.estimate for s in steps]
     n_params = sum(p.numel() for p in probe.parameters())
