@@ -8,6 +8,7 @@ less what would wait in host memory) is within 3% of the prediction."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import replace
 
@@ -20,9 +21,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import shardwise
 from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
+from shardwise.planner import cli
 from shardwise.planner import plan as P
 from shardwise.planner.costs import Rates
 from shardwise.planner.estimate import estimate_of
+from shardwise.planner.render import as_dict
 from shardwise.policies import MixedPrecision, Settings, UnitConfig
 
 WORLD = 2
@@ -40,7 +43,7 @@ def planned(name: str) -> P.Plan:
         loss=loss_fn,
         holds_output=False,  # (step() below drops the output with its loss function's frame)
         backend="gloo",
-        budget="1GiB",
+        budget=1,  # (nothing fits: the whole path)
     )
 
 
@@ -280,3 +283,110 @@ def test_partial_state_offload_counts_the_optimizer_step_on_the_device(pools, of
     assert abs(e.phases["optimizer"] - real["step"]) <= 0.03 * real["step"], (e.phases, real["step"])
     if offloaded == ("layers.3",):
         assert e.peak_at == "optimizer step"
+
+
+# --- blocks decided together (Note [blocks decided together]) against a move per unit
+FIXED = Rates(flops=2e10, host=5e9, network=1e9)  # (the machine's measured rates vary)
+LAYERS = 4
+
+
+def fast_gpt():
+    return shardwise.models.GPT(replace(GPT_CFG, n_layer=LAYERS, d_model=64))
+
+
+def fast_hf(kind: str):
+    import transformers as tf
+
+    width = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    config = getattr(tf, f"{kind}Config")(num_hidden_layers=LAYERS, vocab_size=512, **width)
+    return lambda: getattr(tf, f"{kind}ForCausalLM")(config)
+
+
+def hf_tokens():
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+FAST = {
+    "gpt": (fast_gpt, dict(batch_size=2)),
+    "llama": (fast_hf("Llama"), dict(inputs=hf_tokens)),
+    "qwen2": (fast_hf("Qwen2"), dict(inputs=hf_tokens)),
+}
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_blocks_decided_together_as_fast_as_a_move_per_unit(monkeypatch, name):
+    """For budgets between the smallest peak and the sharded one, the search that moves the
+    blocks together, refined for the budget, chooses a configuration whose predicted step is
+    within 2% of the one the search moving one unit at a time chooses, and fits the budget;
+    with fewer configurations planned."""
+    from shardwise.planner import repeats
+
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install 'shardwise[hf]'")
+    monkeypatch.setattr(P, "measured_rates", lambda backend: FIXED)
+    build, kw = FAST[name]
+    with torch.device("meta"):
+        wrap = shardwise.wrap.auto(build())
+    runs, known = [], {}
+    plain = P._Planner._run
+
+    def run(self, settings, checkpointing, profile, blocks=None):
+        """A configuration planned once for the test's searches (the same runs every time)."""
+        runs.append(settings)
+        if profile is not None:
+            return plain(self, settings, checkpointing, profile, blocks)
+        key = repr((settings, checkpointing, blocks))
+        if key not in known:
+            known[key] = plain(self, settings, checkpointing, profile, blocks)
+        return known[key]
+
+    monkeypatch.setattr(P._Planner, "_run", run)
+
+    def planned(budget):
+        runs.clear()
+        p = P.plan(build, world_size=2, wrap=wrap, backend="gloo", budget=budget, **kw)
+        return p, len(runs)
+
+    together = repeats.together
+    monkeypatch.setattr(repeats, "together", lambda model, names: [(n,) for n in names])
+    exhaustive, cost = planned(1)  # (nothing fits: the whole path)
+    monkeypatch.setattr(repeats, "together", together)
+    smallest, sharded = search.needs(exhaustive.path[-1]), search.needs(exhaustive.path[1])
+    rows = []
+    for share in (0.2, 0.5, 0.8):
+        budget = int(smallest + share * (sharded - smallest))
+        best = search.choose(exhaustive.path, budget)[0]
+        fast, fast_cost = planned(budget)
+        assert best is not None and fast.choice is not None, fast.reason
+        assert search.needs(chosen_step(fast)) <= budget
+        rows.append(
+            f"budget {budget / 2**20:.2f} MiB: per unit {1e3 * best.seconds:.2f} ms "
+            f"({search.describe(best.settings)}; {cost} runs), together {1e3 * chosen_step(fast).seconds:.2f} ms "
+            f"({search.describe(fast.settings)}; {fast_cost} runs)"
+        )
+        assert chosen_step(fast).seconds <= 1.02 * best.seconds, rows[-1]
+        assert fast_cost < cost
+    print(f"\n{name}:", *(f"\n  {r}" for r in rows))
+
+
+def chosen_step(p: P.Plan) -> search.Step:
+    """The path's step a plan chose."""
+    return next(s for s in p.path if s.estimate is p.choice)
+
+
+def test_budget_command_shows_progress_on_stderr_and_json_on_stdout(capsys):
+    """``shardwise plan --budget``: a progress bar with the best peak so far on stderr while it
+    searches; with ``--json`` stdout holds the plan's JSON alone, as ``plan()`` makes it
+    without the bar."""
+    pytest.importorskip("tqdm", reason="needs the tools extra: pip install 'shardwise[tools]'")
+    argv = ["--model-size", "tiny", "--world-size", "2", "--batch-size", "2", "--seq-len", "16", "--backend", "gloo"]
+    cli.main([*argv, "--budget", "1", "--json"])  # (nothing fits: the whole path)
+    out, err = capsys.readouterr()
+    assert "budget search" in err and "best peak" in err and "it/s" not in err
+    data = json.loads(out)
+    a = cli._parser().parse_args([*argv, "--budget", "1"])
+    name, build, inputs, loss, seq_len = cli._model(a)
+    kw = {**cli._options(a, build, inputs, loss, seq_len), "progress": False}
+    assert data == json.loads(json.dumps({"model": name, **as_dict(P.plan(build, **kw))}))
+    assert data["budget"]["chosen"] is None and len(data["budget"]["path"]) >= 2
+    assert capsys.readouterr().err == ""  # (no bar without progress=True)

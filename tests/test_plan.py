@@ -436,21 +436,24 @@ def test_backends_lay_out_buffers_differently():
 
 
 def test_budget_walks_a_path_and_picks_the_fastest_that_fits():
-    """The search's path goes from DDP down, each step smaller and no faster; a budget takes
-    the first that fits (the details, and real runs: tests/test_budget.py)."""
+    """The search's path goes from DDP down, each step smaller and no faster, and stops at the
+    first that fits; a budget takes that one (the details, and real runs: tests/test_budget.py)."""
     block = shardwise.wrap.by_class(Block)
+    tight = P.plan(gpt, world_size=2, wrap=block, batch_size=BATCH, budget=1, backend="gloo")
+    assert tight.choice is None and "nothing fits" in tight.reason
+    peaks = [s.estimate.peak for s in tight.path]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks) >= 4
+    times = [s.seconds for s in tight.path]
+    assert times == sorted(times)
+    assert tight.estimates == [s.estimate for s in tight.path]
+    # a budget just under what DDP needs: it must shard, and say why not DDP
+    choice, reason = search.choose(tight.path, search.needs(tight.path[0]) - 1)
+    assert choice is tight.path[1] and "no_shard (DDP) needs" in reason
     roomy = P.plan(gpt, world_size=2, wrap=block, batch_size=BATCH, budget="1GiB", backend="gloo")
     assert roomy.choice.strategy == "no_shard" and roomy.settings.strategy == "no_shard"
-    peaks = [s.estimate.peak for s in roomy.path]
-    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks) >= 4
-    times = [s.seconds for s in roomy.path]
-    assert times == sorted(times)
-    assert roomy.estimates == [s.estimate for s in roomy.path]
-    # a budget just under what DDP needs: it must shard, and say why not DDP
-    choice, reason = search.choose(roomy.path, search.needs(roomy.path[0]) - 1)
-    assert choice is roomy.path[1] and "no_shard (DDP) needs" in reason
+    assert [s.estimate for s in roomy.path] == [s.estimate for s in tight.path[:2]]  # (no move tried)
     assert "budget 1.00 GiB: choose no_shard (DDP)" in str(roomy)
-    assert "the search's path" in str(roomy) and "reshard after fwd" in str(roomy)
+    assert "the search's path" in str(tight) and "reshard after fwd" in str(roomy)
     with pytest.raises(shardwise.ShardwiseError, match="leave strategy"):
         P.plan(gpt, world_size=2, wrap=block, strategy="full_shard", budget="1GiB")
     unplanned = P.plan(gpt, world_size=2, wrap=block, strategy="full_shard", batch_size=1)
@@ -577,3 +580,23 @@ def test_blocks_alike_planned_from_a_few_equal_the_whole(monkeypatch, build, kw)
     assert len(reused) == len(whole) and all(e is not None for e in reused)  # (no fallback)
     for a, w in zip(alike, whole):
         assert a == w, (a.label, a, w)
+
+
+def test_budget_search_planned_from_a_few_blocks_equals_the_whole(monkeypatch):
+    """The budget search on blocks alike (its profile of FLOPs and saved activations taken on a
+    few blocks, its configurations planned from a few): the same path, step times and peaks
+    byte for byte, as planning every configuration whole gives (to the smallest peak, a budget
+    that fits there only; the refinement, whole-model plans either way, left out)."""
+    from shardwise.planner import repeats
+
+    with torch.device("meta"):
+        wrap = shardwise.wrap.auto(many_blocks())
+    plan = lambda budget: P.plan(many_blocks, world_size=4, wrap=wrap, batch_size=2, backend="gloo", budget=budget)  # noqa: E731
+    monkeypatch.setattr(search, "refine", lambda steps, *a, **k: steps)
+    monkeypatch.setattr(repeats, "FROM", 4)
+    budget = search.needs(plan(1).path[-1])
+    few = plan(budget)
+    monkeypatch.setattr(repeats, "FROM", 10**6)
+    whole = plan(budget)
+    assert [(s.why, s.seconds, s.estimate) for s in few.path] == [(s.why, s.seconds, s.estimate) for s in whole.path]
+    assert len(few.path) >= 3 and few.choice is few.path[-1].estimate

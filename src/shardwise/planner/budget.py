@@ -25,14 +25,29 @@ its state), each kind's scaled by what its last kept move really saved of its es
 move is then re-planned with the real runtime on fake tensors, kept if the predicted peak went
 down (by ``LEAST`` of it at least) and dropped if not. The path does not depend on the budget: every
 budget takes the first configuration on it that fits, so a larger budget never gets a
-slower one, and the last is the smallest peak possible with these moves. A choice keeps a
-margin under the budget (``MARGIN``).
+slower one, and the last is the smallest peak possible with these moves; the search stops
+at the first that fits (what follows is slower). A choice keeps a margin under the budget
+(``MARGIN``).
+
+Note [blocks decided together]: a move is made on a group of units, the blocks alike of a
+model (one class, the same parameters: repeats.py) moved together and every other unit alone.
+Every configuration on the path then treats the blocks alike, and is planned from runs of a
+few of them (Note [blocks alike]): a 7B model's path costs what a handful of whole-model plans
+did, where moving one block at a time cost a whole-model plan per block and kind (minutes).
+The path's steps are coarser, so a budget refines the one it first fits (``refine``): the move
+made on the first m blocks of the group only, m guessed by interpolating the peak between the
+configuration it was made on and the step, and each guess planned whole with the real runtime
+(a configuration that treats blocks differently is not alike), kept where it fits. Moving a
+group can stop short of the smallest peak a move per unit reaches (offloading the last block's
+activations saves nothing, as its backward comes first, but takes the place of recomputing it):
+where nothing fits, a model planned whole (small) is searched again a unit a move (plan.py); a
+model planned from a few blocks is not, as each such move is a whole-model plan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..errors import ShardwiseError
@@ -50,6 +65,10 @@ class Step:
     estimate: object  # plan.Estimate (its peak and bytes sent)
     seconds: float  # predicted step time
     why: str
+    # the move that made it (kind, the units moved together) and the estimate of the
+    # configuration it was made on (``refine`` moves part of the group)
+    move: tuple[str, tuple[str, ...]] | None = None
+    before: object | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +104,7 @@ def seconds(settings: Settings, sent: int, profile: Profile, rates: Rates) -> fl
 
 
 def path(
-    names: list[str],
+    together: Sequence[tuple[str, ...]],
     wrap,
     sharded: tuple[Sharding, Sharding],
     run: Callable[[Settings], object],
@@ -94,12 +113,19 @@ def path(
     *,
     world: int,
     offload: bool,
-) -> tuple[list[Step], list[str]]:
-    """The path from DDP to the smallest configuration (see the module doc), and the moves
-    dropped on the way (they lowered nothing). ``names``: the units of ``wrap``, innermost
-    first, the root ("") last; ``sharded``: the strategies for every unit kept gathered
-    and for some resharded (hybrid variants where planned so); ``run`` plans one
-    configuration; ``profile_of`` plans one and profiles its units."""
+    budget: int | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> tuple[list[Step], list[str], Profile]:
+    """The path from DDP to the smallest configuration (see the module doc), the moves
+    dropped on the way (they lowered nothing) and the units' profile. ``together``: the
+    units of ``wrap`` in groups moved together (Note [blocks decided together]; one unit a
+    group for a move per unit), innermost first, the root ("") last; ``sharded``: the
+    strategies for every unit kept gathered and for some resharded (hybrid variants where
+    planned so); ``run`` plans one configuration; ``profile_of`` plans one and profiles its
+    units. With a ``budget`` the path stops at the first step that fits it (the rest are
+    slower). ``progress(total)``: a progress bar (tqdm's ``update``, ``set_postfix_str`` and
+    ``close``) over the configurations planned, or None."""
+    names = [n for g in together for n in g]
     kept = Settings(
         sharded[0], wrap, tuple((n, UnitConfig(reshard_after_forward=False)) for n in names)
     )
@@ -118,11 +144,17 @@ def path(
     if current.peak < e.peak:
         why = f"shard parameters, gradients and optimizer state, every unit kept gathered to backward: {_delta(e, current, steps[0].seconds, t)}"
         steps.append(Step(kept, current, t, why))
-    non_root = [n for n in names if n]
-    moves = [(kind, n) for kind in ("reshard", "recompute", "selective") for n in non_root]
-    moves += [(kind, n) for kind in ("offload", "offload activations") for n in names] if offload else []
-    dropped = _walk(steps, kept, current, moves, run, _Pricing(profile, rates, world), sharded)
-    return steps, dropped
+    non_root = [g for g in together if "" not in g]
+    moves = [(kind, g) for kind in ("reshard", "recompute", "selective") for g in non_root]
+    moves += [(kind, g) for kind in ("offload", "offload activations") for g in together] if offload else []
+    pricing = _Pricing(profile, rates, world)
+    bar = progress(2 + len(moves)) if progress is not None else None
+    try:
+        dropped = _walk(steps, kept, current, moves, run, pricing, sharded, bar, budget)
+    finally:
+        if bar is not None:
+            bar.close()
+    return steps, dropped, profile
 
 
 @dataclass
@@ -136,9 +168,13 @@ class _Pricing:
     world: int
     learned: dict[str, float] = field(default_factory=dict)
 
-    def estimate(self, move: tuple[str, str]) -> tuple[float, float]:
-        """Predicted seconds a move adds and bytes it saves."""
-        kind, n = move
+    def estimate(self, move: tuple[str, tuple[str, ...]]) -> tuple[float, float]:
+        """Predicted seconds a move adds and bytes it saves (on every unit of its group)."""
+        kind, names = move
+        each = [self._one(kind, n) for n in names]
+        return sum(c for c, _ in each), sum(b for _, b in each)
+
+    def _one(self, kind: str, n: str) -> tuple[float, float]:
         profile, rates = self.profile, self.rates
         if kind == "reshard":  # (one rank without a cast: the gathered parameters are the shard)
             gathered = profile.gathered_bytes[n]
@@ -154,28 +190,34 @@ class _Pricing:
         # shards in at each gather, gradients out; shards, gradients and Adam's two moments saved
         return rates.seconds(host=3 * profile.shard_bytes[n]), 4 * profile.shard_bytes[n]
 
-    def price(self, move: tuple[str, str]) -> float:
+    def price(self, move: tuple[str, tuple[str, ...]]) -> float:
         """Predicted seconds per byte saved: the cheapest is tried next."""
         cost, saved = self.estimate(move)
         return cost / (saved * self.learned.get(move[0], 1.0))
 
 
-def _walk(steps, settings, current, moves, run, pricing: _Pricing, sharded) -> list[str]:
+def _walk(steps, settings, current, moves, run, pricing: _Pricing, sharded, bar, budget) -> list[str]:
     """Try the moves cheapest first, each on top of those kept; a move is kept when it lowers
-    the peak, and becomes a step of the path when it goes below the last step's. Returns the
-    moves dropped, with why."""
+    the peak, and becomes a step of the path when it goes below the last step's, until one
+    fits ``budget`` (None: to the end). Returns the moves dropped, with why."""
     dropped = []
     remaining = [m for m in moves if pricing.estimate(m)[1] > 0]  # (saving nothing: not tried)
-    while remaining:
-        kind, n = min(remaining, key=pricing.price)
-        remaining.remove((kind, n))
-        c = settings.of(n)
+    if bar is not None:
+        bar.update(2 + len(moves) - len(remaining))  # (DDP, sharded, the moves not tried)
+    while remaining and (budget is None or needs(steps[-1]) > budget):
+        if bar is not None:
+            bar.set_postfix_str(f"best peak {_fmt(steps[-1].estimate.peak)}", refresh=False)
+            bar.update(1)
+        move = min(remaining, key=pricing.price)
+        remaining.remove(move)
+        kind, names = move
+        c = settings.of(names[0])  # (a group's units are moved together: set alike)
         if kind in ("recompute", "selective", "offload activations") and (
             c.checkpoint == "full" or c.offload_activations
         ):
             continue  # (its activations are recomputed or offloaded already)
-        trial = _moved(settings, kind, n, sharded)
-        label = f"{kind} {n or '<root>'}"
+        trial = _moved(settings, kind, names, sharded)
+        label = f"{kind} {_names(names)}"
         try:
             e = run(trial)
         except ShardwiseError as exc:  # a configuration the model cannot run is not on the path
@@ -184,17 +226,74 @@ def _walk(steps, settings, current, moves, run, pricing: _Pricing, sharded) -> l
         if e.peak > current.peak * (1 - LEAST):
             dropped.append(f"{label} lowers nothing ({_fmt(e.peak)})")
             continue
-        pricing.learned[kind] = (current.peak - e.peak) / pricing.estimate((kind, n))[1]
+        pricing.learned[kind] = (current.peak - e.peak) / pricing.estimate(move)[1]
         t_new = seconds(trial, e.sent, pricing.profile, pricing.rates)
         if e.peak < steps[-1].estimate.peak:
             why = f"{label}: {_delta(steps[-1].estimate, e, steps[-1].seconds, t_new)}"
-            steps.append(Step(trial, e, t_new, why))
+            steps.append(Step(trial, e, t_new, why, move, current))
         settings, current = trial, e
+    if bar is not None:
+        bar.set_postfix_str(f"best peak {_fmt(steps[-1].estimate.peak)}")
     return dropped
 
 
-def _moved(settings: Settings, kind: str, name: str, sharded: tuple[Sharding, Sharding]) -> Settings:
-    """``settings`` with one unit's setting changed."""
+def refine(
+    steps: list[Step],
+    budget: int,
+    run: Callable[[Settings], object],
+    timed: Callable[[Settings, object], float],
+    sharded: tuple[Sharding, Sharding],
+    *,
+    tries: int | None = None,
+) -> list[Step]:
+    """The path with one more step where ``budget`` first fits a step made by moving a group
+    of units: the same move on the group's first m units only, for the least m that fits
+    (Note [blocks decided together]). Each guess of m interpolates the peak between the
+    nearest m known not to fit and known to fit, and is planned with ``run``; ``timed``
+    predicts a configuration's step time from its estimate; ``tries``: guesses at most
+    (None: until the least m is found)."""
+    i = next((i for i, s in enumerate(steps) if needs(s) <= budget), None)
+    if not i or steps[i].move is None or len(steps[i].move[1]) < 2:
+        return steps
+    (kind, group), before = steps[i].move, steps[i].before
+    lo, hi = (0, before.peak), (len(group), steps[i].estimate.peak)  # (m, peak): no fit, fit
+    target = budget / (1 + MARGIN)
+    found, left = None, tries
+    while hi[0] - lo[0] > 1 and left != 0:
+        left = None if left is None else left - 1
+        share = (lo[1] - target) / max(1, lo[1] - hi[1])
+        m = min(hi[0] - 1, max(lo[0] + 1, lo[0] + math.ceil((hi[0] - lo[0]) * share)))
+        trial = _moved(before.settings, kind, group[:m], sharded)
+        try:
+            e = run(trial)
+        except ShardwiseError:  # (as on the path: a configuration the model cannot run)
+            break
+        if math.ceil(e.peak * (1 + MARGIN)) <= budget:
+            hi, found = (m, e.peak), (trial, e)
+        else:
+            lo = (m, e.peak)
+    if found is None:
+        return steps
+    trial, e = found
+    t = timed(trial, e)
+    why = (
+        f"{kind} {_names(group[: hi[0]])} ({hi[0]} of {len(group)}, for the budget): "
+        f"{_delta(steps[i - 1].estimate, e, steps[i - 1].seconds, t)}"
+    )
+    return [*steps[:i], Step(trial, e, t, why, (kind, group[: hi[0]]), before), *steps[i:]]
+
+
+def _names(names: Sequence[str]) -> str:
+    """Units in a few words: one, or a run of blocks ``model.layers.{0..31}``."""
+    if len(names) == 1:
+        return names[0] or "<root>"
+    stem, _, first = names[0].rpartition(".")
+    last = names[-1].rpartition(".")[2]
+    return f"{stem}.{{{first}..{last}}}" if stem else ", ".join(n or "<root>" for n in names)
+
+
+def _moved(settings: Settings, kind: str, names: Sequence[str], sharded: tuple[Sharding, Sharding]) -> Settings:
+    """``settings`` with some units' setting changed."""
     change = {
         "reshard": {"reshard_after_forward": True},
         "recompute": {"checkpoint": "full"},
@@ -202,7 +301,7 @@ def _moved(settings: Settings, kind: str, name: str, sharded: tuple[Sharding, Sh
         "offload": {"offload": True},
         "offload activations": {"checkpoint": "none", "offload_activations": True},
     }
-    units = tuple((n, replace(c, **change[kind]) if n == name else c) for n, c in settings.units)
+    units = tuple((n, replace(c, **change[kind]) if n in names else c) for n, c in settings.units)
     strategy = sharded[1] if any(c.reshard_after_forward for _, c in units) else sharded[0]
     return Settings(strategy, settings.wrap, units)
 

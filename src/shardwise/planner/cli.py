@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -97,6 +98,7 @@ def _options(a: argparse.Namespace, build, inputs, loss, seq_len) -> dict:
         budget=a.budget,
         placement=placements.matrices if a.placement == "matrices" else None,
         comm=None if a.comm == "none" else a.comm,
+        progress=a.budget is not None and importlib.util.find_spec("tqdm") is not None,  # (on stderr)
     )
 
 

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import functools
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -387,6 +388,7 @@ def plan(
     budget: int | str | None = None,
     placement: Placement | None = None,
     comm: Comm | str | None = None,
+    progress: bool = False,
 ) -> Plan:
     """Predict each rank's memory and traffic for a training step by running shardwise's
     runtime on fake tensors in a fake world of ``world_size`` ranks (see the module doc).
@@ -420,7 +422,10 @@ def plan(
     planned again). The plan's
     ``settings`` is what ``shard(model, plan=p)`` applies. The strategy, checkpointing and
     offload are then the search's to choose (a hybrid strategy may be named: the search keeps
-    its shard groups).
+    its shard groups). The blocks alike of a model are moved together, and the step a budget
+    first fits is refined to part of them (Note [blocks decided together] in budget.py).
+    progress: a progress bar on stderr while the search runs, with the best peak so far
+    (needs tqdm: ``pip install 'shardwise[tools]'``).
 
     It plans in this process, anywhere in a script, before or after ``shardwise.init()``: the
     fake world stands beside the run's own (Note [a world beside the real one] in groups.py),
@@ -464,7 +469,17 @@ def plan(
                 for s in strategies
             ]
         else:
-            steps, dropped = planner.search(names, wrap, strategies[0].hybrid, world_size, backend)
+            together = repeats_.together(probe, names)
+            limit = parse_bytes(budget)
+            bar = _bar if progress else None
+            steps, dropped = planner.search(together, wrap, strategies[0].hybrid, world_size, backend, limit, bar)
+            if search.needs(steps[-1]) > limit and job.repeats is None and len(together) < len(names):
+                # (nothing fits with blocks moved together: a move per unit goes further, e.g.
+                # the last block, whose backward comes first, recomputed where offloading its
+                # activations saves nothing; a model planned whole is small enough for it)
+                singles = [(n,) for n in names]
+                steps, dropped = planner.search(singles, wrap, strategies[0].hybrid, world_size, backend, limit, bar)
+            steps = planner.refine(steps, limit)
             estimates = [s.estimate for s in steps]
     n_params = sum(p.numel() for p in probe.parameters())
     title = (
@@ -477,6 +492,15 @@ def plan(
         step, result.reason = search.choose(steps, result.budget)
         result.choice = step.estimate if step else None
     return result
+
+
+def _bar(total: int):
+    """The budget search's progress bar on stderr (tqdm, of the ``tools`` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise ShardwiseError("progress=True needs tqdm: pip install 'shardwise[tools]'") from exc
+    return tqdm(total=total, desc="budget search", unit="plan", file=sys.stderr, disable=False)
 
 
 def _checked(world_size, strategy, shard_size, cpu_offload, budget, activation_checkpointing, backend):
@@ -544,24 +568,53 @@ class _Planner:
             precision_name=self.job.precision_name, one_memory=self.one_memory,
         )
 
-    def search(self, names: list[str], wrap, hybrid: bool, world: int, backend: str):
-        """The budget search's path over ``names``' units (planner/budget.py)."""
+    def search(
+        self, together: list[tuple[str, ...]], wrap, hybrid: bool, world: int, backend: str, budget: int,
+        progress=None,
+    ) -> tuple[list[search.Step], list[str]]:
+        """The budget search's path over the units, in groups moved together, to the first
+        step that fits ``budget`` (planner/budget.py); ``progress``: a progress bar's factory,
+        or None."""
+        names = [n for g in together for n in g]
+        repeats = self.job.repeats
 
         def profile_of(settings: Settings) -> tuple[Estimate, search.Profile]:
             profile = search.Profile({}, {}, {}, {})
-            e = self.run(settings, profile=profile)
+            if repeats is None:
+                e = self.run(settings, profile=profile)
+            else:  # (profiled on a few blocks: each block's figures are the first's)
+                e = self.run(settings)
+                self._run(repeats_.truncated(settings, repeats, repeats_.FEW), False, profile, repeats_.FEW)
+                first, more = f"{repeats.path}.0", repeats.count - repeats_.FEW
+                profile.forward_flops[""] = profile.forward_flops.get("", 0) + more * profile.forward_flops.get(first, 0)
+                for n in repeats.names(repeats.count)[repeats_.FEW :]:
+                    for figures in (profile.forward_flops, profile.saved_bytes):
+                        if first in figures:
+                            figures[n] = figures[first]
             for n, u in zip(names, e.units):
                 profile.gathered_bytes[n], profile.shard_bytes[n] = u.gathered_bytes, u.shard_bytes
             return e, profile
 
-        sharded = (
+        self.sharded = (
             (Sharding.HYBRID_SHARD_GRAD_OP, Sharding.HYBRID_SHARD)
             if hybrid
             else (Sharding.SHARD_GRAD_OP, Sharding.FULL_SHARD)
         )
-        return search.path(
-            names, wrap, sharded, self.run, profile_of, measured_rates(backend),
-            world=world, offload=not self.one_memory,
+        self.rates = measured_rates(backend)
+        steps, dropped, self.profile = search.path(
+            together, wrap, self.sharded, self.run, profile_of, self.rates,
+            world=world, offload=not self.one_memory, budget=budget, progress=progress,
+        )
+        return steps, dropped
+
+    def refine(self, steps: list[search.Step], budget: int) -> list[search.Step]:
+        """The path with the step a budget takes refined to part of its group's units
+        (budget.refine). Each guess is a whole-model plan; where blocks alike make the path
+        cheap (repeats.py), one guess only, as that plan costs what the path did."""
+        return search.refine(
+            steps, budget, self.run,
+            lambda settings, e: search.seconds(settings, e.sent, self.profile, self.rates),
+            self.sharded, tries=None if self.job.repeats is None else 1,
         )
 
 

@@ -71,6 +71,32 @@ def find(model: nn.Module, unit_names: list[str]) -> Repeats | None:
     return found[0] if len(found) == 1 else None
 
 
+def together(model: nn.Module, unit_names: list[str]) -> list[tuple[str, ...]]:
+    """The units in groups the budget search moves together (Note [blocks decided together]
+    in budget.py): the blocks of each ``ModuleList`` of units alike, every other unit alone,
+    in ``unit_names``' order."""
+    lists: dict[str, list[str]] = {}
+    for name in unit_names:
+        path, _, index = name.rpartition(".")
+        if index.isdigit() and path:
+            lists.setdefault(path, []).append(name)
+    group_of = {}
+    for path, members in lists.items():
+        blocks = model.get_submodule(path)
+        if (
+            isinstance(blocks, nn.ModuleList)
+            and len(members) == len(blocks) > 1
+            and len({_shape_of(b) for b in blocks}) == 1
+        ):
+            group_of.update({n: tuple(members) for n in members})
+    out: list[tuple[str, ...]] = []
+    for name in unit_names:
+        group = group_of.get(name, (name,))
+        if group not in out:
+            out.append(group)
+    return out
+
+
 def _shape_of(block: nn.Module) -> tuple:
     return (
         type(block),
