@@ -469,17 +469,8 @@ def plan(
                 for s in strategies
             ]
         else:
-            together = repeats_.together(probe, names)
-            limit = parse_bytes(budget)
-            bar = _bar if progress else None
-            steps, dropped = planner.search(together, wrap, strategies[0].hybrid, world_size, backend, limit, bar)
-            if search.needs(steps[-1]) > limit and job.repeats is None and len(together) < len(names):
-                # (nothing fits with blocks moved together: a move per unit goes further, e.g.
-                # the last block, whose backward comes first, recomputed where offloading its
-                # activations saves nothing; a model planned whole is small enough for it)
-                singles = [(n,) for n in names]
-                steps, dropped = planner.search(singles, wrap, strategies[0].hybrid, world_size, backend, limit, bar)
-            steps = planner.refine(steps, limit)
+            hybrid = strategies[0].hybrid
+            steps, dropped = _budget_search(planner, probe, names, wrap, hybrid, world_size, backend, parse_bytes(budget), progress)
             estimates = [s.estimate for s in steps]
     n_params = sum(p.numel() for p in probe.parameters())
     title = (
@@ -492,6 +483,21 @@ def plan(
         step, result.reason = search.choose(steps, result.budget)
         result.choice = step.estimate if step else None
     return result
+
+
+def _budget_search(planner, probe, names, wrap, hybrid, world_size, backend, limit, progress):
+    """The budget search's path and the units it dropped: blocks alike moved together, then
+    the step that first fits refined (Note [blocks decided together] in budget.py)."""
+    together = repeats_.together(probe, names)
+    bar = _bar if progress else None
+    steps, dropped = planner.search(together, wrap, hybrid, world_size, backend, limit, bar)
+    if search.needs(steps[-1]) > limit and planner.job.repeats is None and len(together) < len(names):
+        # (nothing fits with blocks moved together: a move per unit goes further, e.g.
+        # the last block, whose backward comes first, recomputed where offloading its
+        # activations saves nothing; a model planned whole is small enough for it)
+        singles = [(n,) for n in names]
+        steps, dropped = planner.search(singles, wrap, hybrid, world_size, backend, limit, bar)
+    return planner.refine(steps, limit), dropped
 
 
 def _bar(total: int):
