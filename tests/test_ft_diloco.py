@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -40,7 +41,7 @@ def test_diloco_of_two_sharded_jobs_equals_one_process_of_the_same_rounds(jobs, 
     procs = [jobs.start(g, restarts=0, script=__file__, steps=H * ROUNDS) for g in (0, 1)]
     assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
     got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
-    ref, moved = reference()
+    (ref, _), moved, _ = reference()
     assert moved > 0.05, moved  # (training moved the parameters)
     for g in (0, 1):
         assert got[g]["step"] == H * ROUNDS
@@ -49,6 +50,48 @@ def test_diloco_of_two_sharded_jobs_equals_one_process_of_the_same_rounds(jobs, 
         assert diff <= 1e-5, f"group {g} differs from one process by {diff}"
     for n in ref:  # (the groups hold the same global parameters)
         assert torch.allclose(got[0]["params"][n], got[1]["params"][n], rtol=0, atol=1e-6), n
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_streaming_diloco_of_two_sharded_jobs_equals_one_process_of_the_same_fragment_syncs(jobs, lighthouse, delay):  # noqa: F811
+    """Two fragments, a round of 4 inner steps (a fragment sync every 2), 2 rounds: each
+    group's parameters (its fragments synced at different steps) equal one process's."""
+    jobs.lighthouse = lighthouse
+    cfg = {"steps": 8, "h": 4, "fragments": 2, "delay": delay}
+    procs = [jobs.start(g, restarts=0, script=__file__, **cfg) for g in (0, 1)]
+    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    refs, moved, pieces = reference(h=4, rounds=2, fragments=2, delay=delay)
+    assert moved > 0.05, moved
+    assert got[0]["pieces"] == pieces and all(pieces), got[0]["pieces"]  # (the same split, in whole parameters)
+    for g in (0, 1):
+        assert got[g]["step"] == 8
+        diff = max((got[g]["params"][n] - refs[g][n]).abs().max().item() for n in refs[g])
+        assert diff <= 1e-5, f"group {g} differs from one process by {diff}"
+    # the fragment synced 2 steps before the end differs between the groups; the last one does
+    # not where it replaced the local parameters (delay 0)
+    last, earlier = pieces[-1], pieces[0]
+    assert any(not torch.allclose(got[0]["params"][n], got[1]["params"][n]) for n in earlier)
+    assert all(torch.allclose(got[0]["params"][n], got[1]["params"][n], rtol=0, atol=1e-6) for n in last) == (delay == 0)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "h", "fragments", "delay", "says"),
+    [
+        (4, 4, 5, 0, "fragments <= 4"),
+        (4, 4, 0, 0, "an int >= 1"),
+        (4, 6, 4, 0, "multiple of fragments"),
+        (4, 4, 2, 2, "[0, sync_every / fragments = 2)"),
+        (4, 4, 2, -1, "[0, sync_every / fragments = 2)"),
+    ],
+)
+def test_bad_fragments_are_named(pieces, h, fragments, delay, says):
+    from shardwise.errors import ShardwiseError
+    from shardwise.ft.diloco import fragments_of
+
+    with pytest.raises(ShardwiseError, match=re.escape(says)):
+        fragments_of(pieces, h, fragments, delay)
+    assert fragments_of(5, 4, 2, 1) == [range(2), range(2, 5)]
 
 
 def test_diloco_with_topk_messages_keeps_groups_equal_and_its_state_survives_a_checkpoint(jobs, lighthouse):  # noqa: F811
@@ -193,32 +236,52 @@ def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitud
     assert CHUNK * 4 / codec.nbytes(CHUNK) > 100  # (fp32 bytes over the message's, a whole chunk)
 
 
-def reference() -> tuple[dict, float]:
-    """One process: each group's inner steps on its own copy (with its own AdamW state),
-    then Nesterov SGD on the global parameters with the groups' mean pseudo-gradient."""
+def reference(h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int = 0) -> tuple[list[dict], float, list]:
+    """One process: each group's inner steps on its own copy (with its own AdamW state); each
+    fragment's sync (every ``h / fragments`` inner steps, the fragments in turn) takes the
+    groups' mean pseudo-gradient of that fragment ``delay`` steps before it is applied, steps
+    the global parameters with Nesterov SGD, and sets each copy's fragment to them (mixed
+    halfway with the copy's own where ``delay`` > 0). Returns each group's parameters, how far
+    the global ones moved, and the fragments' names."""
     from nets import loss_of, make
     from outer_groups import group_batch
 
+    from shardwise.ft.diloco import MIX, fragments_of
+
     global_model = make("tied")
-    start = {n: p.detach().clone() for n, p in global_model.named_parameters()}
+    named = list(global_model.named_parameters())
+    start = {n: p.detach().clone() for n, p in named}
     outer = torch.optim.SGD(global_model.parameters(), **OUTER)
     copies = [make("tied") for _ in (0, 1)]
+    for c in copies:
+        c.load_state_dict(global_model.state_dict())
     inner = [torch.optim.AdamW(c.parameters(), lr=LR) for c in copies]
-    for r in range(ROUNDS):
+    pieces = [[named[i][0] for i in piece] for piece in fragments_of(len(named), h, fragments, delay)]
+    every, sent = h // fragments, {}
+    for step in range(h * rounds):
         for g, (model, opt) in enumerate(zip(copies, inner, strict=True)):
-            model.load_state_dict(global_model.state_dict())
-            for step in range(r * H, (r + 1) * H):
-                x, y = group_batch("tied", step, g, 2, 2)
-                loss_of(model, x, y).backward()
-                opt.step()
-                opt.zero_grad()
-        for name, p in global_model.named_parameters():
-            locals_ = [dict(c.named_parameters())[name].detach() for c in copies]
-            p.grad = sum(p.detach() - q for q in locals_) / len(locals_)
-        outer.step()
-        outer.zero_grad()
-    params = {n: p.detach().clone() for n, p in global_model.named_parameters()}
-    return params, max((params[n] - start[n]).abs().max().item() for n in params)
+            x, y = group_batch("tied", step, g, 2, 2)
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        local, names = step % every + 1, pieces[(step // every) % fragments]
+        mine = [dict(c.named_parameters()) for c in copies]
+        if local == every - delay:
+            sent = {n: sum(dict(named)[n].detach() - m[n].detach() for m in mine) / len(mine) for n in names}
+        if local == every:
+            for n in names:
+                dict(named)[n].grad = sent[n]
+            outer.step()
+            outer.zero_grad()
+            with torch.no_grad():
+                for m in mine:
+                    for n in names:
+                        trained = m[n].detach().clone()
+                        m[n].copy_(dict(named)[n])
+                        if delay:
+                            m[n].lerp_(trained, MIX)
+    moved = max((p.detach() - start[n]).abs().max().item() for n, p in named)
+    return [{n: p.detach().clone() for n, p in c.named_parameters()} for c in copies], moved, pieces
 
 
 def main(cfg: dict) -> None:
@@ -239,12 +302,14 @@ def main(cfg: dict) -> None:
     )
     model, inner = build(ft, lr=LR)
     outer = lambda ps: torch.optim.SGD(ps, **OUTER)  # noqa: E731
-    opt = ft.diloco(inner, sync_every=H, outer_optimizer=outer, comm=cfg.get("comm"))
+    h = cfg.get("h", H)
+    opt = ft.diloco(inner, sync_every=h, outer_optimizer=outer, comm=cfg.get("comm"),
+                    fragments=cfg.get("fragments", 1), fragment_sync_delay=cfg.get("delay", 0))
     kill, first_run = cfg.get("kill"), os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
     rounds = []  # (ft.step, groups in the round's quorum, committed) at each round's end
     # (with a kill, the jobs go on past ``steps`` until two rounds of both: the same on both)
     while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-2:]] != [(2, True)] * 2):
-        assert ft.step < 40 * H, "the groups never trained together again"
+        assert ft.step < 40 * h, "the groups never trained together again"
         opt.zero_grad()
         if not rounds:  # (the first quorum is a round's end too)
             rounds.append((ft.step, ft.participants, True))
@@ -252,7 +317,7 @@ def main(cfg: dict) -> None:
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world)
         committed = opt.step()
-        if ft.step % H == 0 or not committed:
+        if ft.step % h == 0 or not committed:
             rounds.append((ft.step, ft.participants, committed))
         assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
         time.sleep(cfg.get("pause", 0.0))
@@ -275,7 +340,8 @@ def main(cfg: dict) -> None:
         ]
     if rank == 0:
         heal = ft.last_heal and (ft.last_heal.step, ft.last_heal.bytes)
-        torch.save({"params": full, "step": ft.step, "residual": residual, "reloaded": reloaded, "rounds": rounds,
+        pieces = [[opt.names[id(opt.params[i])] for i in piece] for piece in opt.pieces]
+        torch.save({"params": full, "step": ft.step, "pieces": pieces, "residual": residual, "reloaded": reloaded, "rounds": rounds,
                     "heal": heal, "run": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
                    Path(cfg["out"]) / f"g{cfg['group']}-full.pt")
     ft.shutdown()

@@ -41,6 +41,24 @@ Averaging its pseudo-gradient with theirs would move two different global models
 silently; so every round's end compares a checksum of each group's global parameters and a
 difference ends the round with ``FaultToleranceError``, on every group, saying so.
 
+Note [streaming DiLoCo]: with ``fragments`` F > 1 (Douillard et al., 2025, "Streaming
+DiLoCo"; torchft's ``DiLoCo`` with fragments) a rank's parameters (its shards, in the inner
+optimizer's order) are split into F contiguous runs of whole parameters, the same on every
+rank of every group, and each run is synced on its own: every ``sync_every / F`` inner steps
+one fragment's sync is one torchft step as above (quorum and heal, checksum, average of that
+fragment's pseudo-gradient, commit, outer step of that fragment's global parameters), the
+fragments in turn: the sync of torchft's step s takes fragment (s - 1) mod F, so a group that
+healed at the quorum syncs the fragment the live groups do. A round of ``sync_every`` steps
+therefore moves each fragment once and each sync 1/F of the bytes. With
+``fragment_sync_delay`` D the sync is issued (quorum, pseudo-gradient, all-reduce started) D
+inner steps before it is applied (wait, commit, outer step), so the all-reduce overlaps those
+steps' compute; the fragment's parameters then trained D steps past the pseudo-gradient, and
+take ``global + MIX * (local - global)`` with MIX = 1/2 (the paper's mixing, torchft's
+``fragment_update_alpha`` = 1/2) rather than the bare global (which drops D steps of
+training; with D = 0 they take the global). A sync that does not commit puts the fragment
+back to its global parameters (as torchft does; ``ft.step`` goes back ``sync_every / F``
+steps). An encoded exchange (``comm``) is blocking at the issue: it does not overlap.
+
 Built on torchft's ``Manager`` (quorum, allreduce, commit, heal) but not its ``DiLoCo``:
 that one counts torchft's steps as rounds (scripts here count inner steps), holds whole
 ``nn.Module`` fragments (here each rank holds shards), and registers its own state with the
@@ -75,15 +93,20 @@ class DiLoCo:
     optimizer (``opt.outer``, whose state holds the error feedback residuals) goes in a
     checkpoint of its own, ``shardwise.save(path2, model, opt.outer)``: a checkpoint names
     optimizer state by parameter, and both optimizers hold the same parameters. Save at a
-    round's end (``ft.step % sync_every == 0``), where the parameters are the global ones."""
+    round's end (``ft.step % sync_every == 0``), where the parameters are the global ones
+    (with fragments they are nowhere all global: Note [streaming DiLoCo])."""
 
     def __init__(
-        self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer, comm: str | None
+        self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer,
+        comm: str | None, fragments: int = 1, fragment_sync_delay: int = 0,
     ):
         self.ft, self.inner, self.outer, self.sync_every = ft, inner, outer, sync_every
         self.codec = codec_of(comm)
-        self.local = 0  # inner steps taken in this round
+        self.local = 0  # inner steps taken since the last (fragment) sync
         self.params = [p for g in inner.param_groups for p in g["params"]]
+        self.pieces = fragments_of(len(self.params), sync_every, fragments, fragment_sync_delay)
+        self.every, self.delay = sync_every // fragments, fragment_sync_delay  # Note [streaming DiLoCo]
+        self._pending: tuple | None = None  # the fragment sync issued and not yet applied
         self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
         self.backup = [p.detach().clone() for p in self.params]  # the global parameters
         self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
@@ -95,7 +118,8 @@ class DiLoCo:
     def zero_grad(self, set_to_none: bool = True) -> None:
         while not self._started:  # Note [a round is one torchft step]: a round's end before any step
             self.sitting_out = True  # (no inner steps yet: FaultToleranceError after max_failed_steps)
-            self._started = self._sync()
+            self._issue()
+            self._started = self._apply()
         self.ft._in_step = True  # (the units' average across groups is skipped: Torchft.all_reduce)
         self.inner.zero_grad(set_to_none)
 
@@ -107,7 +131,9 @@ class DiLoCo:
         self.ft._in_step = False
         self.inner.step()
         self.local += 1
-        return self._sync() if self.local == self.sync_every else True
+        if self.local == self.every - self.delay:
+            self._issue()
+        return self._apply() if self.local == self.every else True
 
     @property
     def param_groups(self) -> list[dict]:
@@ -119,71 +145,93 @@ class DiLoCo:
     def __len__(self) -> int:
         return 1
 
-    # --- the round's end
-    def _sync(self) -> bool:
-        """A round's end: whether it committed."""
+    # --- the round's end (a fragment's sync: Note [streaming DiLoCo])
+    def _issue(self) -> None:
+        """A (fragment) sync's start: the quorum, then the average of this fragment's
+        pseudo-gradient, issued (``_apply`` waits for it)."""
         ft = self.ft
         ft.begin_step()  # the quorum: a group behind heals here (took)
-        residual_before = self._residual() if self.codec is not None else None
-        flat = self._pseudo_gradient()
+        state = ft._manager.current_step() if ft._manager is not None else ft._told["state"]["step"]
+        piece = self.pieces[(state - 1) % len(self.pieces)]  # (the same on every group of the quorum)
+        residual_before = self._residual(piece) if self.codec is not None else None
+        flat = self._pseudo_gradient(piece)
         share = self._contributing()
         # (the job's other replicas learn it from the first)
         mismatch, anyone = ft._place.tell((self._mismatch, self._anyone) if share is not None else None)
         if mismatch is not None:
             raise FaultToleranceError(mismatch)
+        work = None
         if share is not None:
             flat.mul_(share)
             if self.codec is None:
                 work = ft._manager.allreduce(flat)
-            else:
-                self._exchange_encoded(flat)
+            else:  # (blocking: an encoded exchange does not overlap the delay's inner steps)
+                self._exchange_encoded(flat, piece)
                 work = Done()
+        self._pending = (piece, flat, work, anyone, residual_before)
+
+    def _apply(self) -> bool:
+        """A (fragment) sync's end: wait for the average, commit, and step the fragment's
+        global parameters with the outer optimizer; whether it committed."""
+        ft = self.ft
+        piece, flat, work, anyone, residual_before = self._pending
+        self._pending = None
         if ft._place.replicas is not None:  # (the job's other replicas take the first's)
-            ft._place.share(work if share is not None else None, flat).wait()
-        elif share is not None:
+            ft._place.share(work, flat).wait()
+        elif work is not None:
             work.wait()
+        ft._in_step = True  # (the torchft step _issue began, across the delay's inner steps)
         committed = ft.commit()
-        if not committed and self.codec is not None:  # (the residual as the round found it)
-            self._set_residual(residual_before)
+        if not committed and self.codec is not None:  # (the residual as the sync found it)
+            self._set_residual(residual_before, piece)
         self.local = 0
+        params, backup = [self.params[i] for i in piece], [self.backup[i] for i in piece]
         with torch.no_grad():
-            for p, b in zip(self.params, self.backup, strict=True):
+            trained = [p.detach().clone() for p in params] if self.delay and committed and anyone else None
+            for p, b in zip(params, backup, strict=True):
                 p.copy_(b)
             if committed and anyone:  # (where no group contributed, the global parameters stay)
+                for p in self.params:  # (only the fragment's parameters step)
+                    p.grad = None
                 offset = 0
-                for p in self.params:
+                for p in params:
                     p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
                     offset += p.numel()
-                residuals = {p: self.outer.state[p].pop("residual") for p in self.params if "residual" in self.outer.state[p]}
+                residuals = {p: self.outer.state[p].pop("residual") for p in params if "residual" in self.outer.state[p]}
                 self.outer.step()
                 for p, r in residuals.items():
                     self.outer.state[p]["residual"] = r
                 self.outer.zero_grad(set_to_none=True)
-                for p, b in zip(self.params, self.backup, strict=True):
+                for p, b in zip(params, backup, strict=True):
                     b.copy_(p)
+                if trained is not None:  # Note [streaming DiLoCo]: the late global mixed with the local
+                    for p, t in zip(params, trained, strict=True):
+                        p.lerp_(t, MIX)
         self.sitting_out = False
         return committed
 
-    def _pseudo_gradient(self) -> torch.Tensor:
-        """The global parameters minus this group's, flat in fp32 (zeros where it sits out)."""
-        total = sum(p.numel() for p in self.params)
+    def _pseudo_gradient(self, piece: range) -> torch.Tensor:
+        """The fragment's global parameters minus this group's, flat in fp32 (zeros where it
+        sits out)."""
+        params, backup = [self.params[i] for i in piece], [self.backup[i] for i in piece]
+        total = sum(p.numel() for p in params)
         flat = torch.zeros(total, dtype=torch.float32, device=self.backup[0].device if self.backup else None)
         if not self.sitting_out:
             offset = 0
-            for p, b in zip(self.params, self.backup, strict=True):
+            for p, b in zip(params, backup, strict=True):
                 flat[offset : offset + p.numel()].copy_((b.float() - p.detach().float()).flatten())
                 offset += p.numel()
         return flat
 
-    def _exchange_encoded(self, flat: torch.Tensor) -> None:
+    def _exchange_encoded(self, flat: torch.Tensor, piece: range | None = None) -> None:
         """The groups' average of ``flat`` (this group's share), each group sending it encoded
         with its error feedback residual added (Note [error feedback across rounds]): an
         all-gather of the messages over the manager's process group, errors reported to the
         manager (the round does not commit), as ``Manager.allreduce`` does."""
         m, n = self.ft._manager, flat.numel()
-        keep = flat + self._residual()
+        keep = flat + self._residual(piece)
         message = self.codec.encode(keep)
-        self._set_residual(keep - self.codec.decode(message, n))
+        self._set_residual(keep - self.codec.decode(message, n), piece)
         if m.errored() is not None:
             return
         received = [torch.empty_like(message) for _ in range(m.num_participants())]
@@ -197,18 +245,19 @@ class DiLoCo:
             flat.add_(self.codec.decode(r, n))
         flat.div_(len(received))
 
-    def _residual(self) -> torch.Tensor:
-        """This rank's error feedback residual, flat (kept per parameter in the outer
-        optimizer's state: checkpoints save it with that state)."""
-        parts = [self.outer.state[p].get("residual") for p in self.params]
+    def _residual(self, piece: range | None = None) -> torch.Tensor:
+        """This rank's error feedback residual of a fragment (all parameters where None), flat
+        (kept per parameter in the outer optimizer's state: checkpoints save it with that state)."""
+        params = self.params if piece is None else [self.params[i] for i in piece]
+        parts = [self.outer.state[p].get("residual") for p in params]
         return torch.cat([
             (r.float() if r is not None else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
-            for r, p in zip(parts, self.params, strict=True)
-        ]) if self.params else torch.zeros(0)
+            for r, p in zip(parts, params, strict=True)
+        ]) if params else torch.zeros(0)
 
-    def _set_residual(self, flat: torch.Tensor) -> None:
+    def _set_residual(self, flat: torch.Tensor, piece: range | None = None) -> None:
         offset = 0
-        for p in self.params:
+        for p in self.params if piece is None else [self.params[i] for i in piece]:
             self.outer.state[p]["residual"] = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
@@ -258,6 +307,30 @@ class DiLoCo:
         for p in self.params:  # (Note [error feedback across rounds])
             self.outer.state[p].pop("residual", None)
         self.sitting_out = True
+
+
+MIX = 0.5  # Note [streaming DiLoCo]: a late fragment's parameters, halfway between global and local
+
+
+def fragments_of(pieces: int, sync_every: int, fragments: int, delay: int) -> list[range]:
+    """The fragments of a rank's parameters (``pieces`` of them, in the inner optimizer's
+    order): ``fragments`` contiguous runs, as even as whole parameters allow, checked against
+    the round (``sync_every`` inner steps) and ``delay`` (Note [streaming DiLoCo])."""
+    call = f"ft.diloco(sync_every={sync_every}, fragments={fragments!r}, fragment_sync_delay={delay!r})"
+    if not isinstance(fragments, int) or fragments < 1:
+        raise ShardwiseError(f"{call}: fragments is the number of parts synced in turn, an int >= 1")
+    if fragments > pieces:
+        raise ShardwiseError(
+            f"{call}: a fragment holds whole parameters and this rank holds {pieces}: pass fragments <= {pieces}"
+        )
+    if sync_every % fragments:
+        raise ShardwiseError(f"{call}: each fragment syncs every sync_every / fragments steps: make sync_every a multiple of fragments")
+    if not isinstance(delay, int) or not 0 <= delay < sync_every // fragments:
+        raise ShardwiseError(
+            f"{call}: a fragment's average is applied fragment_sync_delay inner steps after it is "
+            f"issued, before the next fragment's: an int in [0, sync_every / fragments = {sync_every // fragments})"
+        )
+    return [range(i * pieces // fragments, (i + 1) * pieces // fragments) for i in range(fragments)]
 
 
 def codec_of(comm: str | None):

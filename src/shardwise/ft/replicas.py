@@ -55,7 +55,7 @@ from ..checkpoint.state import param_slots
 from ..errors import ShardwiseError
 from ..runtime import runtime_of
 from . import heal
-from .diloco import DiLoCo, Done, codec_of, nesterov, outer_optimizer_of
+from .diloco import DiLoCo, Done, codec_of, fragments_of, nesterov, outer_optimizer_of
 from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
 from .lighthouse import local_address, reachable
 from .lighthouse import url as lighthouse_url
@@ -147,7 +147,7 @@ class Torchft:
         step = self._manager.current_step() if self._manager is not None else self._told["state"]["step"]
         if self._diloco is None:
             return step
-        return max(0, step - 1) * self._diloco.sync_every + self._diloco.local  # Note [a round is one torchft step]
+        return max(0, step - 1) * self._diloco.every + self._diloco.local  # Note [a round is one torchft step]
 
     @property
     def participants(self) -> int:
@@ -192,8 +192,10 @@ class Torchft:
         (default Nesterov SGD, lr 0.7, momentum 0.9) steps the global parameters. ``ft.step``
         counts inner steps. Call once, after ``shard(..., fault_tolerance=self)``, instead of
         ``optimizer()``. ``comm``: the pseudo-gradients in fp32 (None), shardwise's int8 or
-        SparseLoCo's top-k with 2-bit values ("topk"), both with error feedback. Not done yet:
-        ``fragments`` > 1 and ``fragment_sync_delay`` > 0 (streaming DiLoCo)."""
+        SparseLoCo's top-k with 2-bit values ("topk"), both with error feedback.
+        ``fragments`` > 1: streaming DiLoCo, one of that many parts of the parameters synced
+        every ``sync_every / fragments`` steps in turn, each ``fragment_sync_delay`` inner
+        steps after its all-reduce was issued (ft/diloco.py's Note [streaming DiLoCo])."""
         if self._model is None:
             raise ShardwiseError("ft.diloco() comes after shardwise.shard(model, ..., fault_tolerance=ft)")
         if self._optimizers:
@@ -202,16 +204,12 @@ class Torchft:
             raise ShardwiseError("ft.diloco() takes the inner torch.optim optimizer of the sharded model")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ShardwiseError(f"ft.diloco(sync_every={sync_every!r}): the inner steps of a round, an int >= 1")
-        if fragments != 1 or fragment_sync_delay != 0:
-            raise ShardwiseError(
-                f"ft.diloco(fragments={fragments}, fragment_sync_delay={fragment_sync_delay}): streaming "
-                "DiLoCo is not implemented yet: pass fragments=1, fragment_sync_delay=0"
-            )
         codec_of(comm)  # (checked before anything is built)
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        fragments_of(len(params), sync_every, fragments, fragment_sync_delay)
         outer = outer_optimizer_of(outer_optimizer, params)
         self._optimizers = [optimizer, outer]
-        self._diloco = DiLoCo(self, optimizer, sync_every, outer, comm)
+        self._diloco = DiLoCo(self, optimizer, sync_every, outer, comm, fragments, fragment_sync_delay)
         return self._diloco
 
     def shutdown(self) -> None:
