@@ -51,6 +51,18 @@ def test_mixture_of_experts_push(ranks, servers):
     E.check_push(server, results[0], "moe", before=before)
 
 
+def test_delta_push_of_fused_experts(ranks, servers):
+    """The experts travel as the checkpoint's per-expert tensors, each a range of a fused
+    parameter (whole experts per shard): a delta push sends each rank's own rows of them and
+    the engine ends with the trained model."""
+    server = servers["moe"]
+    before = server.generate()
+    results = ranks(2).run(E.push_job, server.url, "moe", seed=25, delta=True, pushes=2)
+    (full, payload), (sent, pay) = results[0]["sent"]
+    assert pay == payload and 0 < sent <= full, results[0]["sent"]
+    E.check_push(server, results[0], "moe", before=before)
+
+
 def test_wrong_shapes_fail_before_anything_moves(ranks, servers):
     """A model the engine does not hold: every rank gets the engine's verdict, naming the
     tensors, and the engine still serves what it had."""

@@ -18,17 +18,10 @@ import pytest
 pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
 
 import rl_engines as E
-from pool import WorkerError
 
 pytestmark = pytest.mark.slow
-# Mixtral: vLLM loads its checkpoint (per-expert w1/w2/w3 under block_sparse_moe, as
-# save_pretrained writes it), but a push sends transformers 5's in-memory names (the fused
-# mlp.experts.gate_up_proj), which vLLM's Mixtral loader does not take: the handshake refuses
-# it, naming the tensors. Qwen3-MoE's loader takes both. Not fixed yet (docs/rl.md).
-MIXTRAL_GAP = pytest.mark.xfail(strict=True, raises=WorkerError, reason="pushes transformers 5's fused expert names; vLLM's Mixtral "
-                                "loader takes only the per-expert checkpoint names")
 KINDS = ["llama3", "mistral", "qwen2", "qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3", "olmo2", "gpt_neox",
-         "moe", pytest.param("mixtral", marks=MIXTRAL_GAP)]
+         "moe", "mixtral"]
 
 
 class OneAhead:

@@ -3,7 +3,10 @@
 Names and order are ``save_pretrained``'s (``checkpoint.pretrained``: a tied weight once,
 persistent buffers, a peft model under its base model's names), with LoRA adapters folded
 into their base weights as peft's ``merge_and_unload`` does: an engine serves the merged
-model. Two ways to read them, both collective over the model's ranks:
+model. A transformers model's tensors go under the names transformers' own ``save_pretrained``
+writes (its conversion mapping reversed): Mixtral's fused ``mlp.experts.gate_up_proj`` as the
+per-expert ``block_sparse_moe.experts.{i}.w1/w3``, each a contiguous range (a ``part``) of
+the fused parameter. Two ways to read them, both collective over the model's ranks:
 
 - ``Gathered(unit, exps, scratch)``: one unit's full parameters, gathered once over its group,
   handed out as segments of the gathered rows (no full copy is made, except for a merged LoRA
@@ -18,7 +21,9 @@ model. Two ways to read them, both collective over the model's ranks:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import mmap
 from dataclasses import dataclass
 
@@ -28,7 +33,13 @@ import torch.nn as nn
 
 from .. import collectives as C
 from .. import flight
-from ..checkpoint.pretrained import exported_tensors, is_peft, merged_names
+from ..checkpoint.pretrained import (
+    Exported,
+    exported_tensors,
+    is_peft,
+    is_transformers,
+    merged_names,
+)
 from ..checkpoint.state import owned_rows, runtime_of
 from ..errors import ShardwiseError
 from ..runtime import Runtime
@@ -46,6 +57,7 @@ class Export:
     index: int  # the parameter's slot in its unit
     buffer: torch.Tensor | None = None
     lora: tuple[int, int, float, bool] | None = None  # merged: slots of A and B, scale, transpose
+    part: tuple[int, int] | None = None  # a range of the parameter: first element, count
 
     @property
     def numel(self) -> int:
@@ -69,7 +81,12 @@ def exports(model: nn.Module, dtype: torch.dtype | None) -> list[Export]:
     rt = runtime_of(model, "VLLMSync")
     tensors = list(exported_tensors(model, rt, dtype))
     if not is_peft(model):
-        return [Export(t.name, t.dtype, t.shape, t.unit, t.index, t.buffer) for t in tensors]
+        parts = checkpoint_parts(model, tensors) if is_transformers(model) else {}
+        return [
+            Export(name, t.dtype, shape, t.unit, t.index, t.buffer, part=part)
+            for t in tensors
+            for name, shape, part in parts.get(t.name, [(t.name, t.shape, None)])
+        ]
     names, merges = merged_names(model, tensors)
     by_name = {t.name: t for t in tensors}
     out = []
@@ -87,6 +104,55 @@ def exports(model: nn.Module, dtype: torch.dtype | None) -> list[Export]:
                 )
             lora = (a.index, b.index, m.scale, m.transpose)
         out.append(Export(names[t.name], t.dtype, t.shape, t.unit, t.index, t.buffer, lora))
+    return out
+
+
+def checkpoint_parts(
+    model: nn.Module, tensors: list[Exported]
+) -> dict[str, list[tuple[str, tuple[int, ...], tuple[int, int] | None]]]:
+    """Each tensor's names in transformers' ``save_pretrained`` (its conversion mapping
+    reversed, by transformers itself), as ``(name, shape, part)``: one whole tensor renamed, or
+    a parameter split into contiguous ranges (``part``: first element, count). Found by
+    reversing the mapping on small index tensors (over a matrix's rows; over an expert stack's
+    experts and rows, the dims transformers' expert fusing stacks and concatenates) and on
+    meta tensors for the shapes; a tensor whose pieces are not contiguous ranges keeps its own
+    name (the handshake then names it if the engine refuses it)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base, blocks, indices = {}, {}, {}
+    first = 0
+    for t in tensors:
+        lead = t.shape[:2] if len(t.shape) > 2 else t.shape[:1]
+        count = math.prod(lead)
+        blocks[t.name] = math.prod(t.shape) // count if count else 0
+        indices[t.name] = torch.arange(first, first + count).view(*lead, *([1] * (len(t.shape) - len(lead))))
+        base[t.name] = first
+        first += count
+    reverted = revert_weight_conversion(model, indices)
+    shapes = revert_weight_conversion(model, {t.name: torch.empty(t.shape, device="meta") for t in tensors})
+    firsts, names = list(base.values()), list(base)  # firsts ascending, as assigned
+    found: dict[str, list] = {}
+    for name, idx in reverted.items():
+        v = idx.reshape(-1)
+        if not v.numel() or name not in shapes:
+            continue
+        src = names[bisect.bisect_right(firsts, int(v[0])) - 1]
+        contiguous = bool((v == v[0] + torch.arange(v.numel())).all())
+        start, count = (int(v[0]) - base[src]) * blocks[src], v.numel() * blocks[src]
+        shape = tuple(shapes[name].shape)
+        found.setdefault(src, []).append((name, shape, start, count, contiguous and math.prod(shape) == count))
+    out = {}
+    for t in tensors:
+        pieces = sorted(found.get(t.name, []), key=lambda p: p[2])
+        if len(pieces) == 1 and pieces[0][4] and pieces[0][3] == math.prod(t.shape):
+            out[t.name] = [(pieces[0][0], t.shape, None)]
+        elif (
+            len(pieces) > 1
+            and t.unit is not None
+            and all(p[4] for p in pieces)
+            and sum(p[3] for p in pieces) == math.prod(t.shape)
+        ):
+            out[t.name] = [(n, shape, (start, count)) for n, shape, start, count, _ in pieces]
     return out
 
 
@@ -159,7 +225,15 @@ class Gathered:
         """``e``'s elements as ``(start, flat tensor)`` pairs."""
         if e.lora is not None:
             return [(0, self.merged_value(e).view(-1))]
-        return self._segments(e.index)
+        if e.part is None:
+            return self._segments(e.index)
+        first, count = e.part
+        out = []
+        for start, seg in self._segments(e.index):
+            lo, hi = max(start, first), min(start + seg.numel(), first + count)
+            if lo < hi:
+                out.append((lo - first, seg[lo - start : hi - start]))
+        return out
 
     def full(self, index: int) -> torch.Tensor:
         """A unit parameter whole (a fresh tensor unless the unit is replicated)."""
@@ -199,9 +273,32 @@ def local_rows(rt: Runtime, e: Export, gathered: Gathered | None) -> tuple[int, 
         start, stop = slot.row_range(unit.rank)
         if stop <= start:
             return None
-        return start * e.row_numel, unit.layout.shard_views(unit.flat_shard, unit.rank)[e.index]
+        rows = unit.layout.shard_views(unit.flat_shard, unit.rank)[e.index]
+        if e.part is None:
+            return start * e.row_numel, rows
+        return _within(e, start * math.prod(slot.shape[1:]), rows.reshape(-1))
     start, stop = owned_rows(e.shape, unit.rank, unit.world)
     if stop <= start:
         return None
-    whole = gathered.merged_value(e) if e.lora is not None else unit.params[e.index].detach()
+    if e.lora is not None:
+        whole = gathered.merged_value(e)
+    elif e.part is not None:
+        whole = unit.params[e.index].detach().reshape(-1)[e.part[0] : e.part[0] + e.part[1]]
+    else:
+        whole = unit.params[e.index].detach()
     return start * e.row_numel, whole.reshape(-1, *e.shape[1:])[start:stop]
+
+
+def _within(e: Export, start: int, flat: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """The part of a shard's elements (``flat``, from element ``start`` of the parameter) that
+    lies in ``e.part``, as whole rows of ``e``."""
+    first, count = e.part
+    lo, hi = max(start, first), min(start + flat.numel(), first + count)
+    if hi <= lo:
+        return None
+    if (lo - first) % e.row_numel or (hi - first) % e.row_numel:
+        raise ShardwiseError(
+            f"'{e.name}' is a range of a fused parameter whose shard boundary splits one of its rows: "
+            "delta=True cannot send it row by row; push with delta=False"
+        )
+    return lo - first, flat[lo - start : hi - start].view(-1, *e.shape[1:])
