@@ -83,10 +83,10 @@ def _model(a: argparse.Namespace) -> nn.Module | None:
     plan`` builds it."""
     if a.model is None and a.hf is None:
         return None
-    from ..planner.cli import _hf, _on_meta, _resolve
+    from ..planner.cli import hf_model, on_meta, resolve
 
-    build = _resolve(a.model, "--model") if a.model else _hf(a.hf, None, 1)[1]
-    model = _on_meta(build)
+    build = resolve(a.model, "--model") if a.model else hf_model(a.hf, None, 1)[1]
+    model = on_meta(build)
     if not isinstance(model, nn.Module):
         raise ShardwiseError(f"--model {a.model} built a {type(model).__name__}, not a module")
     return model

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _options(a: argparse.Namespace, build, inputs, loss, seq_len) -> dict:
     """plan()'s keyword arguments from the command line."""
-    model = _on_meta(build)
+    model = on_meta(build)
     wrap = {"auto": lambda: auto(model), "size": lambda: by_size(1_000_000), "none": lambda: None}[a.wrap]()
     default_batch = 4 if a.hf is None and a.model is None else 1
     return dict(
@@ -104,12 +104,12 @@ def _options(a: argparse.Namespace, build, inputs, loss, seq_len) -> dict:
 
 def _model(a: argparse.Namespace):
     """(name shown, model factory, inputs, loss, seq_len) for the chosen model."""
-    inputs, loss = (_resolve(a.inputs, "--inputs") if a.inputs else None), (_resolve(a.loss, "--loss") if a.loss else None)
+    inputs, loss = (resolve(a.inputs, "--inputs") if a.inputs else None), (resolve(a.loss, "--loss") if a.loss else None)
     if a.hf is not None:
-        name, build, seq_len, batch = _hf(a.hf, a.seq_len, a.batch_size or 1)
+        name, build, seq_len, batch = hf_model(a.hf, a.seq_len, a.batch_size or 1)
         return name, build, inputs or (None if loss else batch), loss, seq_len
     if a.model is not None:
-        return a.model, _resolve(a.model, "--model"), inputs, loss, a.seq_len
+        return a.model, resolve(a.model, "--model"), inputs, loss, a.seq_len
     from functools import partial
 
     from ..models import GPT, gpt_config
@@ -119,7 +119,7 @@ def _model(a: argparse.Namespace):
     return f"GPT {size}", partial(GPT, gpt_config(size, seq_len=seq_len)), inputs, loss, seq_len
 
 
-def _resolve(spec: str, flag: str) -> Callable:
+def resolve(spec: str, flag: str) -> Callable:
     """``pkg.module:name`` as a callable (the current directory importable, as ``python -m``)."""
     module, _, attr = spec.partition(":")
     if not module or not attr:
@@ -137,7 +137,7 @@ def _resolve(spec: str, flag: str) -> Callable:
     return obj
 
 
-def _hf(path: str, seq_len: int | None, batch_size: int):
+def hf_model(path: str, seq_len: int | None, batch_size: int):
     """A Hugging Face model from its config alone: (name, factory, seq_len, inputs). The
     micro-batch is ``batch_size`` sequences of token ids with labels (the loss inside)."""
     where = Path(path)
@@ -185,6 +185,7 @@ def _hf_class(transformers, config) -> type:
         ) from exc
 
 
-def _on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model a factory builds, on the meta device (no memory): what its names and shapes are."""
     with torch.device("meta"):
         return build()
