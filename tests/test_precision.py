@@ -134,3 +134,40 @@ def outputs_and_buffers():
 def test_output_and_buffer_dtypes(pools):
     out, buf, compute = pools(1).run(outputs_and_buffers)[0]
     assert out == torch.float32 and buf == torch.bfloat16 and compute == {torch.bfloat16}
+
+
+def one_rank_bf16(strategy):
+    """Two steps of the mlp model at N=1 in bf16: the shard gradients, the same model cast to
+    bf16 in one process without shardwise (its gradients brought to fp32), the counters."""
+    ref = make("mlp").to(torch.bfloat16)
+    model = shardwise.shard(make("mlp"), wrap=wrap_policy("by_class", "mlp"), strategy=strategy, mixed_precision="bf16")
+    shardwise.reset_comm_stats()
+    for step in range(2):
+        x, y = batch("mlp", step, 8)
+        model.zero_grad()
+        loss_of(model, x, y).backward()
+        ref.zero_grad()
+        loss_of(ref, x.to(torch.bfloat16), y).backward()
+    stats = shardwise.comm_stats()
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    theirs = {n: None if p.grad is None else p.grad.float() for n, p in ref.named_parameters()}
+    return ours, theirs, stats["all_gather"], stats["reduce_scatter"]
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_one_rank_bf16_is_bitwise_a_cast_model(pools, strategy):
+    """At N=1 a gather is a cast into the full buffer and a reduction a cast of each
+    gradient, with no collective issued: the gradients are exactly a bf16 model's, and the
+    counters count the gathers with nothing sent."""
+    ours, theirs, gathers, scatters = pools(1).run(one_rank_bf16, strategy)[0]
+    assert ours.keys() == theirs.keys()
+    assert sum(g is not None for g in ours.values()) > 1
+    for name, g in ours.items():
+        if theirs[name] is None:  # (a parameter the model leaves unused)
+            assert g is None, name
+        else:
+            # (a 0-dim parameter's shard has one row)
+            assert g.dtype == torch.float32 and torch.equal(g, theirs[name].reshape(g.shape)), name
+    assert gathers.bytes == 0 and scatters.calls == 0
+    if strategy == "full_shard":
+        assert gathers.calls > 0 and gathers.payload_bytes > 0

@@ -174,6 +174,13 @@ def _book(kind: str, nbytes_full: int, world: int, factor: int = 1) -> None:
     s.bytes += factor * nbytes_full * (world - 1) // world
 
 
+def book_alone(kind: str, label: str, numel: int, dtype: torch.dtype) -> None:
+    """Book and record a collective over a group of one that the caller did itself (its
+    copy): counted and recorded as one issued and done, with nothing sent."""
+    flight.record(kind, label, numel, dtype).done = True
+    _book(kind, numel * dtype.itemsize, 1)
+
+
 def _issue(
     kind: str, label: str, nbytes: int, tensor: torch.Tensor, start, buffers=None, numel: int | None = None
 ) -> Pending:

@@ -232,6 +232,9 @@ class ShardedUnit(Unit):
         # one rank, no cast, no offload: the shard is the whole parameter, so the full
         # parameters are views of the flat shard itself and gathering is only the swap
         self._alias = self.world == 1 and self._direct
+        # one rank with a cast or an offload: the flat shard is laid out as the full buffer,
+        # so the gather is one copy (casting) into it at the wait, with no collective to issue
+        self._alone = self.world == 1 and not self._direct and streams is None
         self.flat_full = (
             flat_shard
             if self._alias
@@ -308,6 +311,12 @@ class ShardedUnit(Unit):
         if self._alias:
             self.state = UnitState.GATHERING
             return
+        if self._alone:
+            C.book_alone("all_gather", self.label, self.flat_shard.numel(), self.compute_dtype)
+            self.state = UnitState.GATHERING
+            if events.listeners:
+                events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
+            return
         # the gather receives into rows of its own; the full buffer is allocated only at the
         # wait, for the copy-out
         if self.streams is not None:
@@ -358,6 +367,9 @@ class ShardedUnit(Unit):
                     self._gather.wait()
                 self._allocate_full()
                 self._unpack(self._gather.result)
+            elif self._alone:
+                self._allocate_full()
+                self._flat_full_data.copy_(self.flat_shard)
             self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
@@ -392,8 +404,15 @@ class ShardedUnit(Unit):
                 self.used[j] = True
                 grads.append(p.grad)
                 p.grad = None
-        if self.world * self.replicas == 1 and self._direct and self.outer is None:
-            # nothing to reduce: the gradients are the shards'
+        if self.world * self.replicas == 1 and self.outer is None and (self._direct or self.streams is None):
+            # nothing to reduce: the gradients are the shards' (direct), or each is only
+            # brought to the reduction dtype and then to the master's, as the rows would be
+            self._predivided = False
+            if not self._direct:
+                grads = [self._to_master(g.to(self.reduce_dtype)) for g in grads]
+                if events.listeners:
+                    numel = self.grad_layout.sizes[0]
+                    events.emit("reduce_issue", self.label, bytes=numel * self.reduce_dtype.itemsize)
             self._local_grads = grads
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
@@ -466,6 +485,8 @@ class ShardedUnit(Unit):
                 else:
                     p.grad += g
             self._local_grads = None
+            if events.listeners and not self._direct:
+                events.emit("reduce_done", self.label)
             return
         if self._reduce_out is None:
             return
@@ -611,6 +632,7 @@ class ReplicatedUnit(Unit):
                 nn.Parameter(torch.empty_like(p, dtype=self.compute_dtype), requires_grad=p.requires_grad)
                 for p in params
             ]
+            self._compute_data = [c.data for c in self.full_params]  # Note [version counters]
             self.state = UnitState.SHARDED
         else:
             self.full_params = params
@@ -634,9 +656,9 @@ class ReplicatedUnit(Unit):
 
     def unshard(self) -> None:
         if self.state is UnitState.SHARDED:
-            with torch.no_grad():
-                for c, p in zip(self.full_params, self.params):
-                    c.data.copy_(p)
+            if self.params:
+                with torch.no_grad():
+                    torch._foreach_copy_(self._compute_data, self.params)
             self._swap(self.full_params)
             self.state = UnitState.UNSHARDED
 
