@@ -225,6 +225,27 @@ class ShardedUnit(Unit):
         # (offloaded: always a copy, even where host and device are the same memory)
         self._direct = not offload and self.compute_dtype == flat_shard.dtype
         self.streams = streams  # CUDA side streams; None on CPU (Note [stream ordering])
+        self._make_params(layout, flat_shard, requires_grad, device, streams)
+        self.exposed = True  # between steps the modules hold the shard parameters
+        self._free_full()
+        self._state = UnitState.SHARDED
+        self.occupancy: Occupancy | None = None  # the runtime's (``count_in``)
+        self._send: torch.Tensor | None = None
+        self._gather: C.Pending | None = None
+        self._gathered = None  # CUDA: the event after the gather, on the gather stream
+        self._reduce: C.Pending | None = None  # the reduce-scatter in flight
+        self._replica: C.Pending | None = None  # the all-reduce after it in flight (across replicas)
+        self._stages: list = []  # the all-reduces after it still to issue, in order
+        self._reduce_out: torch.Tensor | None = None
+        self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
+        self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
+        self._local_grads: list[torch.Tensor] | None = None
+        self._swap(self.shard_params)
+
+    def _make_params(self, layout: Layout, flat_shard: torch.Tensor, requires_grad: list[bool], device, streams) -> None:
+        """The shard parameters (views of the flat shard), the full parameters (views of the
+        full buffer, or of the flat shard itself where nothing is gathered) and the
+        placeholders the modules hold mid-step."""
         self.shard_params = [
             shard_param(v, rg, slot, self.world)
             for v, rg, slot in zip(layout.shard_views(flat_shard, self.rank), requires_grad, layout.slots)
@@ -252,21 +273,6 @@ class ShardedUnit(Unit):
             NotGathered.make(s.shape, flat_shard.dtype, s.name, self.label, rg)
             for s, rg in zip(layout.slots, requires_grad)
         ]
-        self.exposed = True  # between steps the modules hold the shard parameters
-        self._free_full()
-        self._state = UnitState.SHARDED
-        self.occupancy: Occupancy | None = None  # the runtime's (``count_in``)
-        self._send: torch.Tensor | None = None
-        self._gather: C.Pending | None = None
-        self._gathered = None  # CUDA: the event after the gather, on the gather stream
-        self._reduce: C.Pending | None = None  # the reduce-scatter in flight
-        self._replica: C.Pending | None = None  # the all-reduce after it in flight (across replicas)
-        self._stages: list = []  # the all-reduces after it still to issue, in order
-        self._reduce_out: torch.Tensor | None = None
-        self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
-        self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
-        self._local_grads: list[torch.Tensor] | None = None
-        self._swap(self.shard_params)
 
     @property
     def state(self) -> UnitState:
