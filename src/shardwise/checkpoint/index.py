@@ -192,3 +192,22 @@ def read_index(path: Path) -> Index:
         return Index.from_bytes(raw)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: {INDEX} is not a shardwise index ({e})") from e
+
+
+def storable_hyper(group: dict, where: str) -> dict:
+    """A param group's hyper-parameters as the index stores them (JSON: tuples as lists),
+    less its ``params``; a value JSON cannot hold is a named error (``where``: which group)."""
+    hyper = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        v = list(v) if isinstance(v, tuple) else v
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{where}'s '{k}' is a {type(v).__name__}, which the index (JSON) cannot "
+                "store: use a plain number"
+            ) from e
+        hyper[k] = v
+    return hyper

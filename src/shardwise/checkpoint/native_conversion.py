@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from . import commit, dcp, files
 from .dcp_loading import model_names, optimizer_prefix, per_element_keys, saved_groups
-from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, rank_file
+from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, rank_file, storable_hyper
 from .state import persistent_buffers
 
 _RENAMED = (
@@ -187,17 +187,7 @@ def _groups(prefix: str, values: dict, model_of: dict[str, str], order: list[str
         unknown = [b for b in g["params"] if b not in model_of]
         if unknown:
             raise CheckpointError(f"param groups name parameters the model lacks: {unknown[:5]}")
-        hyper = {}
-        for k, v in g.items():
-            v = list(v) if isinstance(v, tuple) else v
-            try:
-                json.dumps(v)
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(
-                    f"param group hyper-parameter '{k}' is a {type(v).__name__}, which the index "
-                    "(JSON) cannot store"
-                ) from e
-            hyper[k] = v
+        hyper = storable_hyper(g, "a param group")
         hyper["params"] = sorted((model_of[b] for b in g["params"]), key=order.index)
         out.append(hyper)
     return out

@@ -36,7 +36,7 @@ import torch.nn as nn
 from .. import collectives as C
 from .. import groups
 from . import commit, files
-from .index import CheckpointError, Index, Piece, TensorRecord, rank_file
+from .index import CheckpointError, Index, Piece, TensorRecord, rank_file, storable_hyper
 from .state import (
     ParamSlot,
     is_per_element,
@@ -302,23 +302,10 @@ def _optimizer_state(optimizer, slots: list[ParamSlot], add) -> dict[str, dict]:
 
 
 def _param_groups(optimizer, names: list[list[str]]) -> list[dict]:
-    out = []
-    for gi, (g, group_names) in enumerate(zip(optimizer.param_groups, names)):
-        hyper = {}
-        for k, v in g.items():
-            if k == "params":
-                continue
-            v = list(v) if isinstance(v, tuple) else v
-            try:
-                json.dumps(v)
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(
-                    f"param group {gi}'s '{k}' is a {type(v).__name__}, which the index "
-                    "(JSON) cannot store: use a plain number"
-                ) from e
-            hyper[k] = v
-        out.append({**hyper, "params": group_names})
-    return out
+    return [
+        {**storable_hyper(g, f"param group {gi}"), "params": group_names}
+        for gi, (g, group_names) in enumerate(zip(optimizer.param_groups, names))
+    ]
 
 
 def _write_rank_file(snap: _Snapshot, tmp: Path) -> dict:
