@@ -279,6 +279,21 @@ def test_groups_holding_other_global_parameters_are_named_not_averaged():
         assert (problem is not None) == differs and (not differs or "other global parameters" in problem), problem
 
 
+def test_an_outer_state_saved_without_global_parameters_takes_the_parameters():
+    """An outer checkpoint saved before the outer state held the global parameters (at a
+    round's end, one fragment: the parameters were the global ones) loads as that."""
+    from shardwise.ft.diloco import DiLoCo
+
+    d = DiLoCo.__new__(DiLoCo)
+    d.params = [torch.arange(3.0)]
+    d.outer = torch.optim.SGD(d.params, lr=1.0)
+    d.outer.load_state_dict({"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": d.outer.state_dict()["param_groups"]})
+    (kept,) = d._globals(d.params)
+    assert torch.equal(kept, d.params[0]) and kept is not d.params[0] and d.outer.state[d.params[0]]["global"] is kept
+    d.params[0].data.add_(1.0)  # (training moves the parameters, not the global ones)
+    assert torch.equal(d._globals(d.params)[0], torch.arange(3.0))
+
+
 def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitudes():
     from shardwise.ft.topk import CHUNK, K, TopK2Bit
 

@@ -288,7 +288,12 @@ class DiLoCo:
         ]) if params else torch.zeros(0)
 
     def _globals(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The global parameters of ``params`` (Note [the global parameters are outer state])."""
+        """The global parameters of ``params`` (Note [the global parameters are outer state]);
+        where a loaded outer state has none (saved before it held them, at a round's end with
+        one fragment), the parameters themselves, which were the global ones there."""
+        for p in params:
+            if "global" not in self.outer.state[p]:
+                self.outer.state[p]["global"] = p.detach().clone()
         return [self.outer.state[p]["global"] for p in params]
 
     def _set_residual(self, flat: torch.Tensor, piece: range | None = None) -> None:
