@@ -6,7 +6,9 @@ unsharded copy of the model and the same outer Nesterov step on the groups' aver
 pseudo-gradient (shard index r of each job exchanges only its shard). With top-k + 2-bit
 messages and error feedback they end bitwise equal to each other, having moved only
 elements the messages carried, and the residual and outer optimizer state of each rank come
-back from a shardwise checkpoint. Error feedback itself (what a message drops is sent later: the
+back from a shardwise checkpoint. Hybrid sharding inside the jobs equals the one process too,
+bf16 and fp16 mixed precision within their rounding; streaming DiLoCo with int8 messages
+checkpointed and resumed in new jobs ends bitwise where a run in one go does. Error feedback itself (what a message drops is sent later: the
 sum over rounds converges) and the top-k message are tested on one process. This file's main
 is one rank of a job.
 
@@ -73,6 +75,63 @@ def test_streaming_diloco_of_two_sharded_jobs_equals_one_process_of_the_same_fra
     last, earlier = pieces[-1], pieces[0]
     assert any(not torch.allclose(got[0]["params"][n], got[1]["params"][n]) for n in earlier)
     assert all(torch.allclose(got[0]["params"][n], got[1]["params"][n], rtol=0, atol=1e-6) for n in last) == (delay == 0)
+
+
+@pytest.mark.parametrize(
+    ("variant", "rtol"),
+    [
+        ({"strategy": "hybrid_shard", "shard_size": 1}, 1e-5),  # (each rank a whole copy; one replica talks to torchft)
+        ({"mixed_precision": "bf16"}, 0.05),  # (bf16 forward and backward: AdamW's steps differ from fp32's by rounding)
+        ({"mixed_precision": "fp16"}, 0.02),  # (with shardwise's GradScaler)
+    ],
+    ids=["hybrid", "bf16", "fp16"],
+)
+def test_diloco_under_hybrid_sharding_and_mixed_precision_equals_one_process(jobs, lighthouse, variant, rtol):  # noqa: F811
+    """The same 3 rounds as the first test, with the jobs' strategy or precision changed: how
+    far each group's parameters are from one process's fp32 ones, over how far those moved
+    (the norms over the whole model), is within ``rtol``: hybrid sharding exactly one
+    process's; bf16 and fp16 within their rounding (a wrong pseudo-gradient or outer step
+    is off by the order of the motion itself)."""
+    from nets import make
+
+    jobs.lighthouse = lighthouse
+    procs = [jobs.start(g, restarts=0, script=__file__, steps=H * ROUNDS, **variant) for g in (0, 1)]
+    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    (ref, _), _, _ = reference()
+    start = {n: p.detach() for n, p in make("tied").named_parameters()}
+    moved = sum(((ref[n] - start[n]) ** 2).sum() for n in ref).sqrt().item()
+    for g in (0, 1):
+        assert got[g]["step"] == H * ROUNDS
+        off = sum(((got[g]["params"][n].float() - ref[n]) ** 2).sum() for n in ref).sqrt().item()
+        assert off <= rtol * moved, f"group {g} is {off} from one process, which moved {moved}"
+    for n in ref:  # (the groups hold the same global parameters)
+        assert torch.equal(got[0]["params"][n], got[1]["params"][n]), n
+
+
+def test_streaming_diloco_with_int8_messages_resumes_from_a_checkpoint_as_if_never_stopped(jobs, lighthouse):  # noqa: F811
+    """Two fragments (a sync every 2 of a round's 4 steps, issued 1 step early), int8
+    pseudo-gradients with error feedback: 8 steps in one go stay near one process's fp32
+    fragment syncs (int8's error), and 4 steps, a checkpoint (model, both optimizers: the
+    global parameters and residuals in the outer one's state, torchft's count), then 4 more
+    steps in new jobs end bitwise where the run in one go does."""
+    jobs.lighthouse = lighthouse
+    cfg = {"h": 4, "fragments": 2, "delay": 1, "comm": "int8"}
+    runs = [{"steps": 8}, {"steps": 4, "save": True}, {"steps": 8, "resume": True}]
+    got = []
+    for run in runs:
+        procs = [jobs.start(g, restarts=0, script=__file__, **cfg, **run) for g in (0, 1)]
+        assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+        got.append([torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)])
+    whole, resumed = got[0], got[2]
+    refs, moved, _ = reference(h=4, rounds=2, fragments=2, delay=1)
+    assert moved > 0.05, moved
+    for g in (0, 1):
+        assert whole[g]["step"] == resumed[g]["step"] == 8 and got[1][g]["step"] == 4
+        diff = max((whole[g]["params"][n] - refs[g][n]).abs().max().item() for n in refs[g])
+        assert diff <= moved / 20, f"group {g} differs from one process's fp32 syncs by {diff} (moved {moved})"
+        for n, v in whole[g]["params"].items():
+            assert torch.equal(v, resumed[g]["params"][n]), f"group {g}'s {n} differs after resuming"
 
 
 @pytest.mark.parametrize(
@@ -177,6 +236,7 @@ def test_error_feedback_sends_what_a_message_drops_later(comm):
     params = [torch.zeros(300, 40), torch.zeros(2000)]
     d = DiLoCo.__new__(DiLoCo)
     d.ft, d.params, d.codec = SimpleNamespace(_manager=_OneGroup()), params, codec_of(comm)
+    d.sitting_out = False
     d.outer = torch.optim.SGD(params, lr=1.0)
     pseudo = torch.randn(14000) * torch.rand(14000) ** 4  # (magnitudes spread over decades)
     arrived, errors = torch.zeros_like(pseudo), {}
@@ -209,11 +269,29 @@ def test_groups_holding_other_global_parameters_are_named_not_averaged():
     from shardwise.ft.diloco import DiLoCo
 
     d = DiLoCo.__new__(DiLoCo)
-    d.backup = [torch.full((3,), 0.5), torch.ones(2)]  # checksum 3.5
+    d.params = [torch.zeros(3), torch.zeros(2)]
+    d.outer = torch.optim.SGD(d.params, lr=1.0)
+    for p, g in zip(d.params, [torch.full((3,), 0.5), torch.ones(2)], strict=True):
+        d.outer.state[p]["global"] = g  # checksum 3.5
     for theirs, differs in ((3.5, False), (3.25, True)):
         d.ft = SimpleNamespace(_manager=_BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64)), replica_id="g1")
         problem = d._check_global()
         assert (problem is not None) == differs and (not differs or "other global parameters" in problem), problem
+
+
+def test_an_outer_state_saved_without_global_parameters_takes_the_parameters():
+    """An outer checkpoint saved before the outer state held the global parameters (at a
+    round's end, one fragment: the parameters were the global ones) loads as that."""
+    from shardwise.ft.diloco import DiLoCo
+
+    d = DiLoCo.__new__(DiLoCo)
+    d.params = [torch.arange(3.0)]
+    d.outer = torch.optim.SGD(d.params, lr=1.0)
+    d.outer.load_state_dict({"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": d.outer.state_dict()["param_groups"]})
+    (kept,) = d._globals(d.params)
+    assert torch.equal(kept, d.params[0]) and kept is not d.params[0] and d.outer.state[d.params[0]]["global"] is kept
+    d.params[0].data.add_(1.0)  # (training moves the parameters, not the global ones)
+    assert torch.equal(d._globals(d.params)[0], torch.arange(3.0))
 
 
 def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitudes():
@@ -300,11 +378,18 @@ def main(cfg: dict) -> None:
         min_replicas=cfg.get("min_replicas", 2), timeout=30, quorum_timeout=60,
         max_failed_steps=200,  # (the first quorum waits for the other job to start)
     )
-    model, inner = build(ft, lr=LR)
+    options = {k: cfg[k] for k in ("strategy", "shard_size", "mixed_precision") if k in cfg}
+    model, inner = build(ft, lr=LR, **options)
+    scaler = shardwise.GradScaler(model) if cfg.get("mixed_precision") == "fp16" else None
     outer = lambda ps: torch.optim.SGD(ps, **OUTER)  # noqa: E731
     h = cfg.get("h", H)
     opt = ft.diloco(inner, sync_every=h, outer_optimizer=outer, comm=cfg.get("comm"),
                     fragments=cfg.get("fragments", 1), fragment_sync_delay=cfg.get("delay", 0))
+    saved = Path(cfg["out"]) / f"resume{cfg['group']}"
+    if cfg.get("resume"):  # a checkpoint of the last run (model, both optimizers, torchft's count)
+        shardwise.load(saved, model, opt)
+        shardwise.load(saved.with_suffix(".outer"), model, opt.outer)
+        ft.load_state_dict(torch.load(saved.with_suffix(f".ft{rank}")))
     kill, first_run = cfg.get("kill"), os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
     rounds = []  # (ft.step, groups in the round's quorum, committed) at each round's end
     # (with a kill, the jobs go on past ``steps`` until two rounds of both: the same on both)
@@ -315,12 +400,22 @@ def main(cfg: dict) -> None:
             rounds.append((ft.step, ft.participants, True))
         if kill and first_run and ft.step >= kill[0] and ft.step % H == 1 and rank == kill[1]:  # (mid-round, mid-backward)
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
-        forward_backward(model, "tied", ft.step, cfg["group"], rank, world)
-        committed = opt.step()
+        forward_backward(model, "tied", ft.step, cfg["group"], rank, world, scale=scaler)
+        if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
+            scaler.step(opt)
+            scaler.update()
+            committed = ft._committed  # (the last round's vote)
+        else:
+            committed = opt.step()
         if ft.step % h == 0 or not committed:
             rounds.append((ft.step, ft.participants, committed))
         assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
         time.sleep(cfg.get("pause", 0.0))
+    if cfg.get("save"):  # after a (fragment) sync
+        assert ft.step % (h // cfg.get("fragments", 1)) == 0, ft.step
+        shardwise.save(saved, model, opt)
+        shardwise.save(saved.with_suffix(".outer"), model, opt.outer)
+        torch.save(ft.state_dict(), saved.with_suffix(f".ft{rank}"))
     full = shardwise.full_state_dict(model)
     residual, reloaded = 0.0, []
     if cfg.get("comm"):  # the outer state (its residual too) through a checkpoint

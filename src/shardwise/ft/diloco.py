@@ -18,8 +18,17 @@ no group contributes, as at a run's start, the global parameters stay). A round 
 to the global parameters of its start and trains the round again (``ft.step`` goes back with
 it, so the loop reads the same batches), as torchft's ``DiLoCo`` discards a failed sync.
 
+Note [the global parameters are outer state]: the global parameters (each fragment's as its
+last sync left them) are kept in the outer optimizer's state, as ``"global"`` beside its
+momentum, so that a checkpoint of the outer optimizer holds them: with fragments the
+parameters a checkpoint of the model holds are nowhere all global (each fragment trained
+since its own sync), and a resumed run needs both. This module's entries (``OWN``) leave the
+state while the outer optimizer steps (an optimizer such as Adam starts its state where it
+finds it empty).
+
 What a live group serves a joining one (ft/heal.py's snapshot) holds the global parameters
-(not this group's inner ones), the inner and the outer optimizer's state. A group that healed
+(not this group's inner ones, and not again in the outer state), the inner and the outer
+optimizer's state. A group that healed
 at a round's end takes no part in that round's average (it has no inner steps of its own in
 it): it sends zeros and the others' average is taken over the groups that do
 (``_contributing``), then it takes the same outer step as they do and trains the next round.
@@ -31,7 +40,9 @@ part of every pseudo-gradient is sent, late. The messages are all-gathered (each
 decoded and the average taken here), over the manager's process group. The residual is this
 rank's own, kept in the outer optimizer's state (a checkpoint of the optimizers saves it); a
 round that does not commit gives it back as it was, and a healed rank starts it from zero
-(another group's residual holds what that group dropped of its own pseudo-gradients).
+(another group's residual holds what that group dropped of its own pseudo-gradients). A
+rank that sits a sync out sends zeros and keeps its residual (a resumed run's first sync:
+Note [resuming a checkpoint]).
 
 Note [one global model]: a group's first quorum comes before its first inner step; if it
 meets no live group there (they are in the middle of a round, and the lighthouse's join
@@ -40,6 +51,15 @@ and is not behind the others when it meets them at a round's end (its step may e
 Averaging its pseudo-gradient with theirs would move two different global models as one,
 silently; so every round's end compares a checksum of each group's global parameters and a
 difference ends the round with ``FaultToleranceError``, on every group, saying so.
+
+Note [resuming a checkpoint]: a checkpoint is saved after a (fragment) sync, whose torchft
+step S it records (``ft.state_dict()``). A run that loads it begins, as every run does, with a
+sync before any inner step: that sync takes the count back to S - 1 first, so that it is the
+saved sync again (the same fragment, torchft's step back at S, ``ft.step`` where it was
+saved) rather than one more, which would skip a round's batches and, with fragments, set a
+fragment back to its global parameters, losing what it trained since its sync. No group
+contributes to it (the outer optimizer does not step) and each keeps its parameters, also
+where it does not commit and is taken again (a run's first sync has no inner steps to undo).
 
 Note [streaming DiLoCo]: with ``fragments`` F > 1 (Douillard et al., 2025, "Streaming
 DiLoCo"; torchft's ``DiLoCo`` with fragments) a rank's parameters (its shards, in the inner
@@ -92,9 +112,11 @@ class DiLoCo:
     model, opt)`` saves the model and the inner optimizer, as for a plain optimizer; the outer
     optimizer (``opt.outer``, whose state holds the error feedback residuals) goes in a
     checkpoint of its own, ``shardwise.save(path2, model, opt.outer)``: a checkpoint names
-    optimizer state by parameter, and both optimizers hold the same parameters. Save at a
-    round's end (``ft.step % sync_every == 0``), where the parameters are the global ones
-    (with fragments they are nowhere all global: Note [streaming DiLoCo])."""
+    optimizer state by parameter, and both optimizers hold the same parameters. The outer
+    state holds the global parameters too (Note [the global parameters are outer state]).
+    Save after a (fragment) sync (``ft.step % (sync_every // fragments) == 0``) with
+    ``ft.state_dict()``; resume by loading all three before the first step (Note [resuming
+    a checkpoint])."""
 
     def __init__(
         self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer,
@@ -108,7 +130,8 @@ class DiLoCo:
         self.every, self.delay = sync_every // fragments, fragment_sync_delay  # Note [streaming DiLoCo]
         self._pending: tuple | None = None  # the fragment sync issued and not yet applied
         self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
-        self.backup = [p.detach().clone() for p in self.params]  # the global parameters
+        for p in self.params:  # Note [the global parameters are outer state]
+            self.outer.state[p]["global"] = p.detach().clone()
         self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
         self._mismatch: str | None = None  # Note [one global model]
         self._anyone = False  # whether any group in the quorum contributed a pseudo-gradient
@@ -116,6 +139,9 @@ class DiLoCo:
 
     # --- the loop's calls
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._started and self.ft.state_dict()["step"] > 0:  # Note [resuming a checkpoint]
+            state = self.ft.state_dict()
+            self.ft.load_state_dict({**state, "step": state["step"] - 1})
         while not self._started:  # Note [a round is one torchft step]: a round's end before any step
             self.sitting_out = True  # (no inner steps yet: FaultToleranceError after max_failed_steps)
             self._issue()
@@ -185,11 +211,13 @@ class DiLoCo:
         if not committed and self.codec is not None:  # (the residual as the sync found it)
             self._set_residual(residual_before, piece)
         self.local = 0
-        params, backup = [self.params[i] for i in piece], [self.backup[i] for i in piece]
+        params = [self.params[i] for i in piece]
+        backup = self._globals(params)
         with torch.no_grad():
             trained = [p.detach().clone() for p in params] if self.delay and committed and anyone else None
-            for p, b in zip(params, backup, strict=True):
-                p.copy_(b)
+            if self._started and (anyone or not committed):  # (Note [resuming a checkpoint])
+                for p, b in zip(params, backup, strict=True):
+                    p.copy_(b)
             if committed and anyone:  # (where no group contributed, the global parameters stay)
                 for p in self.params:  # (only the fragment's parameters step)
                     p.grad = None
@@ -197,10 +225,10 @@ class DiLoCo:
                 for p in params:
                     p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
                     offset += p.numel()
-                residuals = {p: self.outer.state[p].pop("residual") for p in params if "residual" in self.outer.state[p]}
-                self.outer.step()
-                for p, r in residuals.items():
-                    self.outer.state[p]["residual"] = r
+                kept = [{k: self.outer.state[p].pop(k) for k in OWN if k in self.outer.state[p]} for p in params]
+                self.outer.step()  # (without this module's entries: an optimizer that starts its state where it is empty)
+                for p, own in zip(params, kept, strict=True):
+                    self.outer.state[p].update(own)
                 self.outer.zero_grad(set_to_none=True)
                 for p, b in zip(params, backup, strict=True):
                     b.copy_(p)
@@ -213,9 +241,10 @@ class DiLoCo:
     def _pseudo_gradient(self, piece: range) -> torch.Tensor:
         """The fragment's global parameters minus this group's, flat in fp32 (zeros where it
         sits out)."""
-        params, backup = [self.params[i] for i in piece], [self.backup[i] for i in piece]
+        params = [self.params[i] for i in piece]
+        backup = self._globals(params)
         total = sum(p.numel() for p in params)
-        flat = torch.zeros(total, dtype=torch.float32, device=self.backup[0].device if self.backup else None)
+        flat = torch.zeros(total, dtype=torch.float32, device=params[0].device if params else None)
         if not self.sitting_out:
             offset = 0
             for p, b in zip(params, backup, strict=True):
@@ -229,9 +258,12 @@ class DiLoCo:
         all-gather of the messages over the manager's process group, errors reported to the
         manager (the round does not commit), as ``Manager.allreduce`` does."""
         m, n = self.ft._manager, flat.numel()
-        keep = flat + self._residual(piece)
-        message = self.codec.encode(keep)
-        self._set_residual(keep - self.codec.decode(message, n), piece)
+        if self.sitting_out:  # (zeros, and the residual kept for a round it takes part in)
+            message = self.codec.encode(flat)
+        else:
+            keep = flat + self._residual(piece)
+            message = self.codec.encode(keep)
+            self._set_residual(keep - self.codec.decode(message, n), piece)
         if m.errored() is not None:
             return
         received = [torch.empty_like(message) for _ in range(m.num_participants())]
@@ -254,6 +286,15 @@ class DiLoCo:
             (r.float() if r is not None else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
             for r, p in zip(parts, params, strict=True)
         ]) if params else torch.zeros(0)
+
+    def _globals(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The global parameters of ``params`` (Note [the global parameters are outer state]);
+        where a loaded outer state has none (saved before it held them, at a round's end with
+        one fragment), the parameters themselves, which were the global ones there."""
+        for p in params:
+            if "global" not in self.outer.state[p]:
+                self.outer.state[p]["global"] = p.detach().clone()
+        return [self.outer.state[p]["global"] for p in params]
 
     def _set_residual(self, flat: torch.Tensor, piece: range | None = None) -> None:
         offset = 0
@@ -279,7 +320,7 @@ class DiLoCo:
         parameters; a checksum of them, as its largest and smallest over the groups (one
         all-reduce of two numbers), says whether they do."""
         m = self.ft._manager
-        total = sum((b.double().sum() for b in self.backup), torch.zeros((), dtype=torch.float64))
+        total = sum((b.double().sum() for b in self._globals(self.params)), torch.zeros((), dtype=torch.float64))
         seen = torch.stack([total, -total])
         m.allreduce(seen, reduce_op=dist.ReduceOp.MAX).wait()
         if m.errored() is None and seen[0] != -seen[1]:
@@ -296,19 +337,24 @@ class DiLoCo:
     def snapshot(self, served: dict) -> dict:
         """What a joining rank takes: ``served`` (ft/heal.py's snapshot) with the global
         parameters in place of this group's inner ones."""
-        return {**served, "params": {self.names[id(p)]: b for p, b in zip(self.params, self.backup, strict=True)}}
+        outer = served["optimizers"][-1]  # (the globals travel once, as the parameters)
+        outer = {**outer, "state": {n: {k: v for k, v in st.items() if k != "global"} for n, st in outer["state"].items()}}
+        return {
+            **served,
+            "params": {self.names[id(p)]: b for p, b in zip(self.params, self._globals(self.params), strict=True)},
+            "optimizers": [*served["optimizers"][:-1], outer],
+        }
 
     def took(self) -> None:
         """After a heal (the parameters are the live group's global ones): keep them as the
         global parameters and sit out this round's average."""
-        with torch.no_grad():
-            for p, b in zip(self.params, self.backup, strict=True):
-                b.copy_(p)
-        for p in self.params:  # (Note [error feedback across rounds])
-            self.outer.state[p].pop("residual", None)
+        for p in self.params:
+            self.outer.state[p]["global"] = p.detach().clone()
+            self.outer.state[p].pop("residual", None)  # (Note [error feedback across rounds])
         self.sitting_out = True
 
 
+OWN = ("residual", "global")  # this module's entries in the outer optimizer's state
 MIX = 0.5  # Note [streaming DiLoCo]: a late fragment's parameters, halfway between global and local
 
 
