@@ -127,15 +127,16 @@ def test_bucketed_equals_alone_other_settings(pools, strategy, precision):
 
 def test_order_change_rebuckets(pools):
     """A forward order that changes makes the buckets again, from the new order; a bucket
-    whose member is not run completes its reduction without it (its gradient stays None)."""
-    reversed_, skipping = ORDER[::-1], [0, 1, 3, 4, 5]
-    orders = [ORDER, reversed_, skipping, ORDER]
-    alone = pools(2).run(train, 0, "full_shard", None, orders)
-    bucketed = pools(2).run(train, None, "full_shard", None, orders)
+    whose member is not run completes its reduction without it (its gradient stays None); a
+    member called twice is gathered again with its bucket."""
+    reversed_, skipping, twice = ORDER[::-1], [0, 1, 3, 4, 5], [0, 1, 2, 0, 3, 4, 5]
+    orders = [ORDER, reversed_, skipping, twice, ORDER]
+    alone = pools(2).run(train, 0, "full_shard", None, orders, steps=5)
+    bucketed = pools(2).run(train, None, "full_shard", None, orders, steps=5)
     _compare(alone, bucketed, 1e-5)
     made = [b for _, _, b in bucketed[0][0]]
-    names = [[f"blocks.{i}" for i in order] for order in orders]
-    assert made == [[n] for n in names]
+    firsts = [list(dict.fromkeys(order)) for order in orders]
+    assert made == [[[f"blocks.{i}" for i in order]] for order in firsts]
     # step 3 ran without blocks.2 in buckets made from step 2's order: it got no gradient
     grads_step3 = bucketed[0][0][2][0]
     assert any(g is None for g in grads_step3)
@@ -203,3 +204,14 @@ def test_bucket_bounds_memory(pools):
     sizes, peak = pools(2).run(bounded, 3)[0]
     assert sizes == [3, 3, 2]
     assert peak <= 3 + 1
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_unit_called_again_after_a_call_without_gradient_inputs(pools, strategy):
+    """A unit whose first call's inputs need no gradient (the batch) and that is called again
+    later reduces once both calls' backward is done (it reduced after the later call's, and
+    the first call's gradients were lost)."""
+    twice = [0, 1, 2, 0, 3, 4, 5]
+    ((_, full, ref),) = pools(1).run(train, None, strategy, None, [twice], steps=2)
+    for k in ref:
+        assert torch.allclose(full[k], ref[k], atol=1e-6, rtol=0), k

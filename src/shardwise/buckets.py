@@ -104,7 +104,6 @@ class Bucket:
             self._grad_at[u] = (at, u.grad_layout.sizes[0])
             at += u.grad_layout.sizes[0]
         self.grad_numel = at
-        self._send: torch.Tensor | None = None
         self._rows: C.ScatterRows | None = None
         self._packed = 0
         for u in units:
@@ -122,18 +121,16 @@ class Bucket:
         send = torch.cat([u.flat_shard for u in self.units])
         if send.dtype != first.compute_dtype:
             send = send.to(first.compute_dtype)
-        self._send = send
         pending = C.all_gather(send, self.group, self.label, self.channel)
         for u in self.units:
             if u.state is UnitState.SHARDED:
-                u._gather = pending
+                u._send, u._gather = send, pending  # (each holds the message until its copy-out)
                 u.state = UnitState.GATHERING
                 if events.listeners:
                     events.emit("gather_issue", u.label, bytes=u.flat_full.numel() * u.flat_full.element_size())
 
     def rows_of(self, unit: ShardedUnit, gathered: list[torch.Tensor]) -> list[torch.Tensor]:
         """``unit``'s part of every rank's gathered row (after the wait)."""
-        self._send = None  # the gather is complete
         start, n = self._at[unit]
         return [row[start : start + n] for row in gathered]
 
@@ -168,5 +165,5 @@ class Bucket:
 
     def reset(self) -> None:
         """Drop a reduction half packed (after a step that raised: every rank drops it alike)."""
-        self._send = self._rows = None
+        self._rows = None
         self._packed = 0

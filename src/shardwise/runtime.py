@@ -284,10 +284,14 @@ class Runtime:
             self._prefetch(self.next_forward.get(unit))
             self._note_unsharded()
             if torch.is_grad_enabled():
+                # every call counts; one whose inputs need no gradient has no end of backward
+                # that could be seen, so its unit reduces at the end of backward (a unit
+                # called again later would otherwise reduce after its last call's backward,
+                # before its first call's gradients are in: they were lost)
+                self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                 plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
                 flat = args if plain else _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
-                    self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                     marked = _PostBackward.apply(runtime_ref, unit_ref, *flat)
                     return (marked, kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
             return args, kwargs
