@@ -117,22 +117,29 @@ class Bucket:
     def gather(self) -> None:
         """Issue one all-gather of every member's flat shard (no wait): the members that are
         sharded become GATHERING; the others' parts go unused (every rank sends them alike)."""
-        first = self.units[0]
-        send = torch.cat([u.flat_shard for u in self.units])
-        if send.dtype != first.compute_dtype:
-            send = send.to(first.compute_dtype)
-        pending = C.all_gather(send, self.group, self.label, self.channel)
+        first, n = self.units[0], self.shard_numel
+        # every rank's message lands in one rank-major buffer (this rank's is sent from it), so
+        # that a member's part is one (N, k) block: one copy-out per member, not one per rank
+        into = torch.empty(self.world * n, dtype=first.compute_dtype, device=first.device)
+        mine = into[self.rank * n : (self.rank + 1) * n]
+        shards = [u.flat_shard for u in self.units]
+        if mine.dtype == first.flat_shard.dtype:
+            torch.cat(shards, out=mine)
+        else:
+            mine.copy_(torch.cat(shards))  # (the cast of each unit's own gather)
+        pending = C.all_gather(mine, self.group, self.label, self.channel, into=into)
         for u in self.units:
             if u.state is UnitState.SHARDED:
-                u._send, u._gather = send, pending  # (each holds the message until its copy-out)
+                u._send, u._gather = into, pending  # (each holds the buffer until its copy-out)
                 u.state = UnitState.GATHERING
                 if events.listeners:
                     events.emit("gather_issue", u.label, bytes=u.flat_full.numel() * u.flat_full.element_size())
 
-    def rows_of(self, unit: ShardedUnit, gathered: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``unit``'s part of every rank's gathered row (after the wait)."""
+    def rows_of(self, unit: ShardedUnit) -> torch.Tensor:
+        """``unit``'s part of every rank's message, as an (N, k) block of the rank-major buffer
+        it holds (after the wait)."""
         start, n = self._at[unit]
-        return [row[start : start + n] for row in gathered]
+        return unit._send.view(self.world, self.shard_numel)[:, start : start + n]
 
     # --- the reduction
     def pack(self, unit: ShardedUnit, grads: list[torch.Tensor]) -> bool:

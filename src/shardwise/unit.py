@@ -377,8 +377,7 @@ class ShardedUnit(Unit):
                 else:
                     self._gather.wait()
                 self._allocate_full()
-                rows = self._gather.result
-                self._unpack(rows if self.bucket is None else self.bucket.rows_of(self, rows))
+                self._unpack(self._gather.result if self.bucket is None else self.bucket.rows_of(self))
             elif self._alone:
                 self._allocate_full()
                 self._flat_full_data.copy_(self.flat_shard)
