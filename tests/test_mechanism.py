@@ -16,6 +16,7 @@ from shardwise.unit import ReplicatedUnit, ShardedUnit
 # --- memory: shards are 1/N plus padding; full_shard keeps at most the limit gathered
 def held_per_rank(strategy):
     model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    model._shardwise.bucket_bytes = 0  # each unit alone: the limit counts units (buckets: test_buckets.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = []
 

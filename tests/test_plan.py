@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise
+from shardwise import buckets
 from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 from shardwise.observer import trace as T
 from shardwise.observer.accounting import kept_buckets
@@ -422,8 +423,9 @@ def test_checkpointing_precision_and_offload_move_the_prediction():
         P.plan(gpt, strategy="no_shard", cpu_offload=True, batch_size=1)
 
 
-def test_backends_lay_out_buffers_differently():
+def test_backends_lay_out_buffers_differently(monkeypatch):
     """Gloo receives a gather into N-1 rows, NCCL into one buffer of N: the plan follows."""
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", 0)  # each block alone on Gloo too (buckets: below)
     block = shardwise.wrap.by_class(Block)
     gloo, nccl = (
         P.plan(gpt, world_size=4, strategy="full_shard", wrap=block, batch_size=1, backend=b).estimates[0]
@@ -433,6 +435,24 @@ def test_backends_lay_out_buffers_differently():
     assert gloo.gathered_peak < nccl.gathered_peak
     with pytest.raises(shardwise.ShardwiseError, match="gloo"):
         P.plan(gpt, backend="mpi")
+
+
+def test_buckets_are_planned(monkeypatch):
+    """On Gloo small blocks share a bucket (buckets.py): the plan gathers the three blocks at
+    once where each alone gathers one (and prefetches the next); NCCL keeps units alone.
+    (Real runs with buckets against the plan: test_planner_matches_memtracker.)"""
+    block = shardwise.wrap.by_class(Block)
+
+    def one(backend):
+        return P.plan(gpt, world_size=2, strategy="full_shard", wrap=block, batch_size=1, backend=backend).estimates[0]
+
+    bucketed, nccl = one("gloo"), one("nccl")
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", 0)
+    alone = one("gloo")
+    full_block = 4 * sum(p.numel() for p in Block(GPT_CFG).parameters())
+    assert bucketed.comm == alone.comm == nccl.comm  # the same bytes, in fewer collectives
+    assert alone.gathered_peak < 3 * full_block <= bucketed.gathered_peak
+    assert nccl.gathered_peak < 3 * full_block
 
 
 def test_budget_walks_a_path_and_picks_the_fastest_that_fits():

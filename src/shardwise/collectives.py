@@ -213,7 +213,9 @@ def apart():
         _stats, _channels = saved
 
 
-def _on_gloo(group) -> bool:
+def on_gloo(group) -> bool:
+    """Whether collectives over ``group`` take Gloo's paths (the backend the planner's fake
+    group stands for, there); False for a group of one."""
     if dist.get_world_size(group) == 1:
         return False
     backend = groups.backend(group)
@@ -326,7 +328,7 @@ def all_gather(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = shard.view(-1)
     sizes = sizes if sizes is not None else (mine.numel(),) * world
-    gloo = _on_gloo(group)
+    gloo = on_gloo(group)
     if into is not None:
         _check_into(into, mine, sizes, rank, (gloo or world == 1) and codec is None)
     if codec is not None and world > 1:
@@ -357,7 +359,9 @@ def _check_into(into: torch.Tensor, mine: torch.Tensor, sizes: tuple[int, ...], 
     if not supported:
         raise ValueError("all_gather(into=...) takes a Gloo group and no codec")
     first = sum(sizes[:rank])
-    if into.numel() != sum(sizes) or into.dtype != mine.dtype or into.view(-1)[first:].data_ptr() != mine.data_ptr():
+    # (fake tensors, in the planner's world, have no addresses to compare)
+    placed = groups.stands_for() is not None or into.view(-1)[first:].data_ptr() == mine.data_ptr()
+    if into.numel() != sum(sizes) or into.dtype != mine.dtype or not placed:
         raise ValueError(
             f"all_gather(into=...): give {sum(sizes)} elements of {mine.dtype} with the shard at element {first}"
         )
@@ -399,7 +403,7 @@ def scatter_rows(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     if world == 1:
         out = torch.empty(sizes[0], dtype=dtype, device=device)
         return ScatterRows([out], out, None)
-    if _on_gloo(group):
+    if on_gloo(group):
         # ``out`` is an allocation of its own: the gradient shards are views of it and keep it
         out = torch.empty(sizes[rank], dtype=dtype, device=device)
         others = [n for r, n in enumerate(sizes) if r != rank]
@@ -562,7 +566,7 @@ def _all_reduce_encoded(tensor, group, label, kind, numel, codec: Codec, channel
     per = -(-flat.numel() // world)
     chunks = [flat[min(r * per, flat.numel()) : min((r + 1) * per, flat.numel())] for r in range(world)]
     lengths = tuple(codec.nbytes(c.numel()) for c in chunks)
-    gloo = _on_gloo(group)
+    gloo = on_gloo(group)
     s = _stats[kind]  # its chunks go out encoded, and every other rank's encoded sum comes in
     s.calls += 1
     s.payload_bytes += sum(lengths)
@@ -614,7 +618,7 @@ def _all_reduce_pair(tensor, group, label, kind, numel, codec: Codec, channel, r
     trip over the link, rounded once)."""
     flat = tensor.view(-1)
     length = codec.nbytes(flat.numel())
-    gloo = _on_gloo(group)
+    gloo = on_gloo(group)
     s = _stats[kind]
     s.calls += 1
     s.payload_bytes += length

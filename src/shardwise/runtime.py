@@ -31,8 +31,8 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from . import buckets, events
 from . import collectives as C
-from . import events
 from .errors import ShardwiseError
 from .groups import Mesh
 from .outer import ReplicaGroups
@@ -231,6 +231,10 @@ class Runtime:
         self.host_group = host_group  # the side group of the step check (collectives.step_check)
         self.activations = None  # an activation_offload.Offload where a unit offloads its activations
         self.check_buffer: torch.Tensor | None = None
+        self.bucket_bytes = buckets.BUCKET_BYTES  # 0: every unit alone
+        self.buckets: list[buckets.Bucket] = []  # decided from the forward order of the last step
+        self._bucketed_by: tuple = ([], self.bucket_bytes)  # ... which was this, with this limit
+        self._bucketable = sum(isinstance(u, ShardedUnit) and buckets.key(u) is not None for u in units) > 1
         self._ref = weakref.ref(self)  # what autograd holds (Note [weak references from C++])
         for unit in units:
             self._register(unit)
@@ -280,10 +284,14 @@ class Runtime:
             self._prefetch(self.next_forward.get(unit))
             self._note_unsharded()
             if torch.is_grad_enabled():
+                # every call counts; one whose inputs need no gradient has no end of backward
+                # that could be seen, so its unit reduces at the end of backward (a unit
+                # called again later would otherwise reduce after its last call's backward,
+                # before its first call's gradients are in: they were lost)
+                self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                 plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
                 flat = args if plain else _tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
-                    self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                     marked = _PostBackward.apply(runtime_ref, unit_ref, *flat)
                     return (marked, kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
             return args, kwargs
@@ -417,7 +425,8 @@ class Runtime:
         if not unit.is_root:
             unit.reshard()
         unit.reduce_grads()
-        self.reducing.append(unit)
+        if not unit.awaiting_bucket:  # (else its bucket's last member issues the reduction)
+            self.reducing.append(unit)
 
     def post_backward(self, unit: Unit) -> None:
         """The backward of one forward call of the unit is complete."""
@@ -439,6 +448,9 @@ class Runtime:
             for u in self.units:  # a unit that ran reduces, whichever of its parameters got gradients
                 if isinstance(u, ShardedUnit) and not u.reduce_issued and u in self.ran_since_sync:
                     self.reduce(u)
+            for b in self.buckets:  # members that did not run complete their bucket's reduction
+                for u in b.unpacked():
+                    self.reduce(u)
             self.agreeing = self._agree_used()  # issued now, read after the last reductions' waits
             for u in self.units:  # every all-reduce across replicas in flight before any wait
                 u.advance_reduce()
@@ -456,9 +468,21 @@ class Runtime:
         self.next_backward = _successors(self.backward_order)
         self.callback_queued = False
         self.settle()
+        self._rebucket()
         if events.listeners:
             events.emit("step_end", "")
         self._check_all_ran(ran)
+
+    def _rebucket(self) -> None:
+        """Bucket small units anew from this step's forward order, where it is not the order
+        the buckets were made from (buckets.py); every unit is sharded now."""
+        if not self._bucketable or (self.forward_order, self.bucket_bytes) == self._bucketed_by:
+            return
+        for b in self.buckets:
+            b.dissolve()
+        order = [u for u in _dedup(self.forward_order) if isinstance(u, ShardedUnit)]
+        self.buckets = [buckets.Bucket(run) for run in buckets.plan(order, self.bucket_bytes)]
+        self._bucketed_by = (self.forward_order, self.bucket_bytes)
 
     def _agree_used(self) -> Callable[[], list[bool]]:
         """Start agreeing with the other ranks on which parameters got a gradient anywhere

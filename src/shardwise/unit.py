@@ -240,6 +240,8 @@ class ShardedUnit(Unit):
         self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
         self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
         self._local_grads: list[torch.Tensor] | None = None
+        self.bucket = None  # the buckets.Bucket whose collectives carry this unit's, if any
+        self.awaiting_bucket = False  # gradients packed into the bucket, its reduction not issued
         self._swap(self.shard_params)
 
     def _make_params(self, layout: Layout, flat_shard: torch.Tensor, requires_grad: list[bool], device, streams) -> None:
@@ -323,6 +325,9 @@ class ShardedUnit(Unit):
             if events.listeners:
                 events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
             return
+        if self.bucket is not None:  # one gather for the bucket's members
+            self.bucket.gather()
+            return
         # the gather receives into rows of its own; the full buffer is allocated only at the
         # wait, for the copy-out
         if self.streams is not None:
@@ -372,7 +377,7 @@ class ShardedUnit(Unit):
                 else:
                     self._gather.wait()
                 self._allocate_full()
-                self._unpack(self._gather.result)
+                self._unpack(self._gather.result if self.bucket is None else self.bucket.rows_of(self))
             elif self._alone:
                 self._allocate_full()
                 self._flat_full_data.copy_(self.flat_shard)
@@ -423,6 +428,10 @@ class ShardedUnit(Unit):
             self._reduce_out = self._reduce = None
             self.reduce_issued = True
             return
+        if self.bucket is not None:
+            self.reduce_issued = self.awaiting_bucket = True
+            self.bucket.pack(self, grads)
+            return
         buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
         self.grad_layout.pack(grads, buf.rows, buf.full)  # casts to the reduction dtype on the way
         del grads
@@ -440,6 +449,15 @@ class ShardedUnit(Unit):
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
+
+    def take_reduction(self, pending: C.Pending, out: torch.Tensor) -> None:
+        """This unit's part of its bucket's reduce-scatter, issued: ``out`` will hold its summed
+        gradient shard."""
+        self.awaiting_bucket = False
+        self._predivided = self.reduce_dtype.itemsize < 4 and self.world > 1
+        self._reduce, self._reduce_out, self._replica, self._stages = pending, out, None, []
+        if events.listeners:
+            events.emit("reduce_issue", self.label, bytes=self.world * out.numel() * out.element_size())
 
     def _reduce_scatter(self, buf: C.ScatterRows) -> C.Pending:
         residual = self._residual("reduce_scatter", self.reduce_codec, sum(r.numel() for r in buf.rows), buf.out)
@@ -494,6 +512,8 @@ class ShardedUnit(Unit):
             if events.listeners and not self._direct:
                 events.emit("reduce_done", self.label)
             return
+        if self.awaiting_bucket:
+            raise ShardwiseError(f"unit '{self.label}' finished a reduction its bucket has not issued")
         if self._reduce_out is None:
             return
         out = self._reduced_shard()
@@ -530,6 +550,9 @@ class ShardedUnit(Unit):
         self._send = self._gather = self._gathered = self._local_grads = None
         self._reduce = self._replica = self._reduce_out = self._reduce_rows = self._reduced = None
         self._stages = []
+        self.awaiting_bucket = False
+        if self.bucket is not None:
+            self.bucket.reset()
         for p in self.full_params:
             p.grad = None
         if self.state is not UnitState.SHARDED:
