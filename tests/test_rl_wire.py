@@ -217,3 +217,64 @@ def test_transports_are_registered_objects_and_shm_reaches_the_reader():
         assert len(calls) == 1 and torch.equal(calls[0], data)
     finally:
         writer.close()
+
+
+class FakeLLM:
+    """An in-process engine as ``VLLMSync``'s handshake sees it: it reports ``dtype``,
+    records the tensors the trainer declares, then refuses (nothing further is needed)."""
+
+    def __init__(self, dtype):
+        from types import SimpleNamespace as NS
+
+        config = NS(model_config=NS(dtype=dtype), parallel_config=NS(world_size_across_dp=1))
+        self.llm_engine = NS(vllm_config=config)
+        self.declared: list = []
+
+    def init_weight_transfer_engine(self, request) -> None:
+        self.declared += request["init_info"]["tensors"]
+        raise RuntimeError("a fake engine stops here")
+
+
+def handshake_with(engine_dtype, dtype):
+    """What a rank sees building ``VLLMSync`` against a fake engine holding ``engine_dtype``:
+    (the error's type and message, the wire dtypes declared to the engine by rank 0)."""
+    import torch.distributed as dist
+
+    import shardwise.rl
+
+    model = make("tied")
+    shardwise.shard(model, wrap=wrap_policy("by_class", "tied"))
+    engine = FakeLLM(engine_dtype) if dist.get_rank() == 0 else None
+    try:
+        shardwise.rl.VLLMSync(model, engine, dtype=dtype)
+    except Exception as e:
+        return type(e).__name__, str(e), sorted({d for _, d, _ in engine.declared}) if engine else None
+    raise AssertionError("the fake engine accepted the handshake")
+
+
+@pytest.mark.parametrize(
+    "engine_dtype, dtype, wire_dtypes",
+    [(torch.bfloat16, None, ["bfloat16"]), (torch.float32, None, ["float32"]), ("float32", None, ["float32"]),
+     (torch.float32, torch.bfloat16, ["bfloat16"]), ("mystery", torch.float16, ["float16"])],
+)
+def test_the_wire_dtype_is_the_engines_unless_given(pool, engine_dtype, dtype, wire_dtypes):
+    """Every floating-point tensor is declared at the handshake in the engine's dtype by
+    default (bf16 into a bf16 engine, fp32 into an fp32 one), in ``dtype`` when given (then
+    whatever the engine reports does not matter)."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    results = pool.run(handshake_with, engine_dtype, dtype)
+    assert all(r[0] == "EngineError" and "a fake engine stops here" in r[1] for r in results), results
+    assert results[0][2] == wire_dtypes
+
+
+@pytest.mark.parametrize("engine_dtype", ["mystery", torch.float8_e4m3fn])
+def test_an_engine_dtype_shardwise_does_not_send_asks_for_dtype(pool, engine_dtype):
+    """An engine reporting a dtype shardwise does not know (or cannot send in) is refused on
+    every rank before anything moves, naming the dtype and the fix."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    results = pool.run(handshake_with, engine_dtype, None)
+    name = str(engine_dtype).removeprefix("torch.")
+    for kind, message, declared in results:
+        assert kind == "ShardwiseError", message
+        assert f"holds its weights in '{name}'" in message and "dtype=torch.bfloat16" in message
+        assert not declared  # nothing reached the engine

@@ -36,7 +36,8 @@ class VLLMSync:
 
     - ``dtype``: the wire dtype of floating-point tensors. None (the default): the dtype the
       engine holds, which the handshake asks it for, so the engine gets the trainer's weights
-      as exactly as it can hold them. A narrower one (bf16 into an fp32 engine) halves the
+      as exactly as it can hold them (an engine in a dtype shardwise does not send, fp8 say,
+      is refused: pass ``dtype`` then). One of fp32, bf16, fp16. A narrower one (bf16 into an fp32 engine) halves the
       bytes and rounds every weight on the way: the engine then serves a rounded model
       (logprobs about 1e-3 off the trainer's, docs/rl.md).
     - ``bucket_bytes``: staging memory on rank 0, two halves that alternate (one filled while
@@ -85,7 +86,7 @@ class VLLMSync:
             self.client = Watched(inner, timeout)
         name, engine_dtype = self._engine_facts(transport)
         self.transport = TRANSPORTS[name]
-        self.dtype = dtype if dtype is not None else engine_dtype
+        self.dtype = wire_dtype(dtype, engine_dtype)
         self.source = ShardwiseSource(model, self.dtype)
         self.version = 0  # of the last push that completed
         self.engine = None
@@ -124,7 +125,7 @@ class VLLMSync:
         return self.transport.trainer_info(rank=rank, delta=self.delta, bucket_bytes=self.bucket_bytes, host=host,
                                            port=port, workers=workers, timeout=self.timeout)
 
-    def _engine_facts(self, transport: str) -> tuple[str, torch.dtype]:
+    def _engine_facts(self, transport: str) -> tuple[str, str]:
         """Rank 0 asks the engine, every rank learns: the transport "auto" picks, and the
         dtype the engine holds (the default wire dtype)."""
         facts = [None]
@@ -140,7 +141,7 @@ class VLLMSync:
         if not name:
             where = "" if dist.get_rank() == 0 else " (reported by rank 0)"
             raise EngineError(f"the engine could not be asked for its dtype{where}: {dtype}")
-        return name, getattr(torch, dtype)
+        return name, dtype
 
     def _address(self) -> tuple[str, int]:
         """Where the engine's workers reach rank 0 (``address``, or this machine's address on
@@ -156,6 +157,26 @@ class VLLMSync:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a push sends floating-point tensors in
+
+
+def wire_dtype(requested: torch.dtype | None, engine: str) -> torch.dtype:
+    """The dtype floating-point tensors travel in: ``requested``, else the one the engine
+    holds (``engine``: its name as the engine reports it, "bfloat16")."""
+    if requested is not None:
+        if requested not in WIRE_DTYPES:
+            raise ShardwiseError(f"dtype={requested}: a push sends floating-point weights in one of "
+                                 f"{[str(d) for d in WIRE_DTYPES]}")
+        return requested
+    dtype = getattr(torch, engine, None)
+    if dtype not in WIRE_DTYPES:
+        raise ShardwiseError(
+            f"the engine holds its weights in {engine!r}, which shardwise does not send: pass the wire "
+            f"dtype explicitly, VLLMSync(..., dtype=torch.bfloat16) (one of {[str(d) for d in WIRE_DTYPES]})"
+        )
+    return dtype
 
 
 def _same_everywhere(settings: tuple) -> None:
