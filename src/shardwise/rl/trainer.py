@@ -239,7 +239,7 @@ class _Sender:
         self.waited = 0.0  # blocked on the engine: a bucket to come back, the finish
         self.started = False
         self.t0 = time.perf_counter()
-        self.t_start = self.t_end = 0.0
+        self.t_pause = self.t_end = 0.0
 
     def guard(self, fn, *args) -> None:
         if self.error is not None:
@@ -250,17 +250,19 @@ class _Sender:
             self.error = e
 
     def start(self) -> None:
-        """Open the engine's update (a server stops generating): as late as can be, when the
-        first bucket is full, so that the gathers and the comparisons before it (a delta
-        push's, most of it) run while the engine still serves."""
-        self.t_start = time.perf_counter()
+        """Open the engine's update as late as can be, when the first bucket is full, so that
+        the gathers before it run while the engine still serves. Full mode: a server stops
+        generating from here (layers are replaced as they arrive); delta mode: only for the
+        commit (the engine patches its copy of the checkpoint and reloads it there)."""
         self.started = True  # an abort follows even if the start itself failed half-way
-        self.client.start_weight_update()
+        if not self.delta:
+            self.t_pause = time.perf_counter()
+        self.client.start_weight_update(pause=not self.delta)
 
     @property
     def paused(self) -> float:
-        """Seconds the engine stopped serving for this push (start to the end of the commit)."""
-        return self.t_end - self.t_start if self.started and self.t_end else 0.0
+        """Seconds the engine stopped serving for this push (to the end of the commit)."""
+        return self.t_end - self.t_pause if self.t_end else 0.0
 
     def drain(self) -> None:
         """Ship the last bucket and wait until the engine has taken every one."""
@@ -275,7 +277,9 @@ class _Sender:
 
     def commit(self) -> None:
         t0 = time.perf_counter()
-        self.client.finish_weight_update(str(self.version))
+        if self.delta:
+            self.t_pause = t0
+        self.client.finish_weight_update(str(self.version), pause=self.delta)
         self.t_end = time.perf_counter()
         self.waited += self.t_end - t0
 
