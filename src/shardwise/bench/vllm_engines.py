@@ -81,10 +81,10 @@ def run_rank(cfg) -> dict:
 
     shardwise.init(timeout=SERVE_TIMEOUT_S)
     model = build_model(cfg)
-    shardwise.shard(model, wrap=shardwise.wrap.auto(model))
-    urls = engine_urls(cfg)
     out = {"world": dist.get_world_size(), "size": cfg.size, "params": sum(p.numel() for p in model.parameters()),
            "runs": []}
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+    urls = engine_urls(cfg)
     for k in range(1, cfg.engines + 1):
         _say(f"pushing to {k} engine(s)")
         engines = (urls[0] if k == 1 else urls[:k]) if dist.get_rank() == 0 else None
