@@ -166,14 +166,14 @@ _running: dict[str, Server] = {}
 
 
 def start_servers() -> dict[str, Server]:
-    """One ``vllm serve`` per model kind, started together (once): they boot in about a
-    minute on two cores, so conftest starts them as soon as it knows the session needs them,
+    """One ``vllm serve`` per model kind and a second of the Llama (several engines take one
+    push), started together (once): they boot in about a minute on two cores, so conftest starts them as soon as it knows the session needs them,
     and they boot while the tests before this file run."""
     if not _running:
         root = Path(tempfile.mkdtemp(prefix="shardwise-vllm-"))
-        for kind in ("llama", "moe"):
-            _running[kind] = Server(kind, root, free_port())
-            _running[kind].start()
+        for name, kind in (("llama", "llama"), ("llama_b", "llama"), ("moe", "moe")):  # llama_b: a second replica
+            _running[name] = Server(kind, root, free_port())
+            _running[name].start()
     return _running
 
 
@@ -243,7 +243,8 @@ def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: st
              dtype: str | None = None, transport: str = "auto", delta: bool = False, lr: float = 1e-2,
              pushes: int = 1, steps_between: int = 1) -> dict:
     """Build, shard and train a model, pushing after every ``steps_between`` optimizer steps;
-    rank 0 returns the gathered state dict, the versions pushed and the push byte counts."""
+    every rank returns the versions pushed and the bytes it sent (and the payload) in each push,
+    rank 0 also the gathered state dict. ``url``: one engine or a list."""
     model = build(kind, seed=seed, lora=lora)
     kw = {}
     if shard_size is not None:
@@ -270,7 +271,8 @@ def push_job(url: str, kind: str, *, seed: int, lora: bool = False, strategy: st
         sent.append((after.bytes - before.bytes, after.payload_bytes - before.payload_bytes))
     sync.close()
     state = shardwise.full_state_dict(model)
-    return {"state": state, "versions": versions, "sent": sent} if dist.get_rank() == 0 else {"versions": versions}
+    return {"state": state, "versions": versions, "sent": sent} if dist.get_rank() == 0 else {"versions": versions,
+                                                                                            "sent": sent}
 
 
 def unreachable_job(url: str) -> tuple[str, float]:

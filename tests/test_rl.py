@@ -115,6 +115,48 @@ def test_push_gives_the_engine_the_trained_model(ranks, servers, world_size):
     assert payload <= sent < 1.01 * payload  # every byte of the fp32 model once (and alignment)
 
 
+@pytest.mark.parametrize("world_size, delta", [(2, False), (3, True)], ids=["N2-full", "N3-delta"])
+def test_several_engines_take_one_push(ranks, servers, world_size, delta):
+    """Two replicas of the engine from one ``push()``: rank 0 feeds one and rank 1 the other
+    (at N=3 rank 2 feeds none), each sending the model once; both serve the trained model
+    under the same version. Delta (bf16, lr 1e-5): every change reaches both feeding ranks
+    and both engines."""
+    engines = [servers["llama"], servers["llama_b"]]
+    before = [s.generate() for s in engines]
+    pushes, wire = (3, torch.bfloat16) if delta else (2, None)
+    results = ranks(world_size).run(E.push_job, [s.url for s in engines], "llama", seed=40 + world_size,
+                                    delta=delta, dtype=wire and "bfloat16", lr=1e-5 if delta else 1e-2, pushes=pushes)
+    assert [r["versions"] for r in results] == [list(range(1, pushes + 1))] * world_size
+    for server, was in zip(engines, before):
+        E.check_push(server, results[0], "llama", round_to=wire, before=was)
+    payload = (2 if delta else 4) * sum(t.numel() for t in results[0]["state"].values())
+    for rank, r in enumerate(results):
+        for i, (sent, pay) in enumerate(r["sent"]):
+            if rank >= 2:
+                assert sent == pay == 0, r["sent"]  # feeds no engine
+            elif i == 0 or not delta:
+                assert pay == payload <= sent < 1.01 * payload, r["sent"]  # the model once, to its engine
+            else:
+                assert pay == payload and 0 < sent < 0.35 * payload, r["sent"]
+
+
+def test_one_engine_refusing_fails_the_push_on_every_rank(ranks, servers):
+    """Of two engines, the second holds another model: every rank gets its verdict, naming
+    the engine, and neither engine changes what it serves."""
+    from pool import WorkerError
+
+    engines = [servers["llama"], servers["moe"]]
+    engines[1].wait()  # restarted by test_engine_death_is_named_on_every_rank
+    before = [s.generate() for s in engines]
+    with pytest.raises(WorkerError) as info:
+        ranks(2).run(E.push_job, [s.url for s in engines], "llama", seed=27)
+    for o in info.value.outcomes:
+        assert o.error_type == "shardwise.rl.clients.EngineError", o
+        assert f"engine 1 ({engines[1].url}): " in o.error_message and "do not fit this engine's model" in o.error_message
+    assert "(reported by rank 1)" in info.value.outcomes[0].error_message
+    assert [s.generate() for s in engines] == before
+
+
 def test_hybrid_bf16_push(ranks, servers):
     """hybrid_shard 2x2, bf16 compute, a bf16 wire into the fp32 engine (narrower than the
     engine's dtype: the user's choice): the engine serves the fp32 master weights rounded to

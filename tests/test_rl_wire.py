@@ -217,3 +217,159 @@ def test_transports_are_registered_objects_and_shm_reaches_the_reader():
         assert len(calls) == 1 and torch.equal(calls[0], data)
     finally:
         writer.close()
+
+
+class FakeLLM:
+    """An in-process engine as ``VLLMSync``'s handshake sees it: it reports ``dtype``,
+    records the tensors the trainer declares, then refuses (nothing further is needed)."""
+
+    def __init__(self, dtype):
+        from types import SimpleNamespace as NS
+
+        config = NS(model_config=NS(dtype=dtype), parallel_config=NS(world_size_across_dp=1))
+        self.llm_engine = NS(vllm_config=config)
+        self.declared: list = []
+
+    def init_weight_transfer_engine(self, request) -> None:
+        self.declared += request["init_info"]["tensors"]
+        raise RuntimeError("a fake engine stops here")
+
+
+def handshake_with(engine_dtype, dtype):
+    """What a rank sees building ``VLLMSync`` against a fake engine holding ``engine_dtype``:
+    (the error's type and message, the wire dtypes declared to the engine by rank 0)."""
+    import torch.distributed as dist
+
+    import shardwise.rl
+
+    model = make("tied")
+    shardwise.shard(model, wrap=wrap_policy("by_class", "tied"))
+    engine = FakeLLM(engine_dtype) if dist.get_rank() == 0 else None
+    try:
+        shardwise.rl.VLLMSync(model, engine, dtype=dtype)
+    except Exception as e:
+        return type(e).__name__, str(e), sorted({d for _, d, _ in engine.declared}) if engine else None
+    raise AssertionError("the fake engine accepted the handshake")
+
+
+@pytest.mark.parametrize(
+    "engine_dtype, dtype, wire_dtypes",
+    [(torch.bfloat16, None, ["bfloat16"]), (torch.float32, None, ["float32"]), ("float32", None, ["float32"]),
+     (torch.float32, torch.bfloat16, ["bfloat16"]), ("mystery", torch.float16, ["float16"])],
+)
+def test_the_wire_dtype_is_the_engines_unless_given(pool, engine_dtype, dtype, wire_dtypes):
+    """Every floating-point tensor is declared at the handshake in the engine's dtype by
+    default (bf16 into a bf16 engine, fp32 into an fp32 one), in ``dtype`` when given (then
+    whatever the engine reports does not matter)."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    pool.run(import_trainer_side)
+    results = pool.run(handshake_with, engine_dtype, dtype)
+    assert all(r[0] == "EngineError" and "a fake engine stops here" in r[1] for r in results), results
+    assert results[0][2] == wire_dtypes
+
+
+@pytest.mark.parametrize("engine_dtype", ["mystery", torch.float8_e4m3fn])
+def test_an_engine_dtype_shardwise_does_not_send_asks_for_dtype(pool, engine_dtype):
+    """An engine reporting a dtype shardwise does not know (or cannot send in) is refused on
+    every rank before anything moves, naming the dtype and the fix."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    pool.run(import_trainer_side)
+    results = pool.run(handshake_with, engine_dtype, None)
+    name = str(engine_dtype).removeprefix("torch.")
+    for kind, message, declared in results:
+        assert kind == "ShardwiseError", message
+        assert f"holds its weights in '{name}'" in message and "dtype=torch.bfloat16" in message
+        assert not declared  # nothing reached the engine
+
+
+class RecordingEngine:
+    """An engine's control plane that keeps what it is sent: it maps the shared-memory
+    buffers at the handshake and decodes every bucket into whole tensors; ``fail_at``: the
+    update call (counted from 1) that raises."""
+
+    def __init__(self, fail_at: int = 0):
+        self.fail_at, self.calls, self.events = fail_at, 0, []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.reader = None
+
+    def init_weight_transfer_engine(self, payload) -> None:
+        from shardwise.rl.transport import ShmReader
+
+        self.reader = ShmReader(payload["paths"])
+
+    def start_weight_update(self, pause: bool = True) -> None:
+        self.events.append("start")
+
+    def update_weights(self, update) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("this engine fails")
+        data = self.reader.receive(update["bucket"], update["nbytes"])
+        for p in wire.decode(data, update["entries"]):
+            flat = self.tensors.setdefault(p.name, torch.full((math.prod(p.shape),), float("nan"), dtype=p.dtype))
+            flat[p.start : p.start + p.values.numel()] = p.values
+
+    def finish_weight_update(self, version, pause: bool = False) -> None:
+        self.events.append(f"finish {version}")
+
+    def abort(self, version, resume) -> None:
+        self.events.append("abort")
+
+
+def push_to_two_engines(fail_at: int):
+    """Ranks 0 and 1 each feed a recording engine (shm) in one push of a sharded model: what
+    each engine got, its calls, the error each rank raised, and the model's state dict."""
+    import torch.distributed as dist
+
+    from shardwise.rl.clients import EngineError
+    from shardwise.rl.trainer import Feed, ShardwiseSource, ShardwiseTrainerInitInfo
+    from shardwise.rl.trainer import ShardwiseTrainerWeightTransferEngine as Trainer
+
+    model = make("tied", seed=3)
+    shardwise.shard(model, wrap=wrap_policy("by_class", "tied"))
+    rank = dist.get_rank()
+    engine = RecordingEngine(fail_at if rank == 1 else 0)
+    info = ShardwiseTrainerInitInfo(rank=rank, transport="shm", bucket_bytes=1 << 16, workers=(1,), feeders=2)
+    feeds = [Feed(engine, label=f"engine {rank}: ")] if rank < 2 else []
+    trainer = Trainer.trainer_init(info, client=feeds, source=ShardwiseSource(model, torch.float32))
+    error = ""
+    try:
+        trainer.send_weights(version=1)
+    except EngineError as e:
+        error = str(e)
+    trainer.shutdown()
+    state = shardwise.full_state_dict(model)
+    return {"tensors": engine.tensors, "events": engine.events, "error": error, "state": state}
+
+
+def import_trainer_side() -> None:
+    """vLLM's trainer side, imported in a task of its own (tens of seconds on a busy machine)."""
+    import shardwise.rl.trainer  # noqa: F401
+
+
+def test_two_engines_each_get_the_whole_model_from_their_own_rank(pool):
+    """Rank 1 packs its engine's buckets from the rows it gathers, as rank 0 does: both
+    engines receive every tensor of the model, exactly, and both commit the version."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    pool.run(import_trainer_side)
+    results = pool.run(push_to_two_engines, 0)
+    state = results[0]["state"]
+    for r in results:
+        assert r["error"] == "" and r["events"] == ["start", "finish 1"], r["events"]
+        assert set(r["tensors"]) == set(state) - {"head.weight"}  # tied: sent once, as the embedding
+        for name, flat in r["tensors"].items():
+            assert torch.equal(flat.view(state[name].shape), state[name]), name
+
+
+def test_one_engine_failing_aborts_every_engine(pool):
+    """The second engine fails on its update (after the first engine has taken the model):
+    neither engine commits (the first is aborted too), and every rank raises EngineError
+    naming the engine that failed."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    pool.run(import_trainer_side)
+    results = pool.run(push_to_two_engines, 1)
+    assert results[0]["events"] == ["start", "abort"] and results[1]["events"] == ["start", "abort"]
+    for r in results:
+        assert r["error"].startswith("push of version 1 failed"), r["error"]
+        assert "engine 1: RuntimeError: this engine fails" in r["error"]
+        assert "engine 0: another engine's update failed" in r["error"]

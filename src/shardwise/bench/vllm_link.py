@@ -31,12 +31,13 @@ def engine_url(port: int) -> str:
     return f"http://{ADDRESSES[1]}:{port}"
 
 
-def serve_command(model_dir: Path, port: int) -> list[str]:
-    """``vllm serve`` (its OpenAI server module) on node B's address, bf16 (the wire's dtype),
-    with the weight-transfer backend and the in-process engine's settings (``vllm_push``)."""
+def serve_command(model_dir: Path, port: int, host: str = ADDRESSES[1]) -> list[str]:
+    """``vllm serve`` (its OpenAI server module) on ``host`` (node B's address), bf16 (the
+    wire's dtype), with the weight-transfer backend and the in-process engine's settings
+    (``vllm_push``)."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", ADDRESSES[1], "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--host", host, "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
         "--max-model-len", "128", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
         "--enable-scale-out", "--max-num-seqs", "8",
         "--weight-transfer-config", '{"backend": "shardwise"}',

@@ -3,6 +3,7 @@
     shardwise bench --vllm --nproc 2 --size small
     shardwise bench --vllm --nproc 4 --size large --pushes 5 --out bench-vllm
     shardwise bench --vllm --nodes 2 --link 1gbit --size medium    # the engine across a link
+    shardwise bench --vllm --engines 3 --size medium                # several engines (vllm_engines)
 
 Every rank trains a transformers Llama sharded by shardwise; rank 0 runs a ``vllm.LLM`` (CPU
 here, bf16) that loaded the same model. Measured, in this order, on the same engine:
@@ -22,11 +23,14 @@ link shaped to ``--link``, the push goes over the tcp transport, the floor is th
 the link's bandwidth (a plain TCP transfer across the same link, in the same run) and the
 naive way is not measured (it needs a filesystem both nodes share).
 
-Time is the median push (the slowest rank's); extra memory is each rank's peak resident set
+Time is the median push (the slowest rank's); the engine's pause the median time from
+``start_weight_update`` to the end of ``finish_weight_update`` (a server serves nothing in
+it; ``VLLMSync.pause_seconds``); extra memory is each rank's peak resident set
 during a push above what it held before the first (sampled every millisecond: staging
 buffers, gathered units, the naive way's state dict), the largest over ranks. Targets (issue
 31): push <= 1.5x the floor and <= 0.5x naive; extra memory <= one bucket + the largest unit;
-delta bytes <= 0.1x full at lr 1e-5. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
+delta bytes <= 0.1x full at lr 1e-5; (issue 39) a delta push's pause <= 0.1x a full push
+across a 100 Mbit/s link. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
 ``--out``.
 """
 
@@ -75,6 +79,7 @@ class Config:
     nodes: int = 1
     link: str = "1gbit"
     port: int = 18600  # --nodes 2: the engine's port on node B; the link probe's is port + 1
+    engines: int = 1  # > 1: that many `vllm serve` here, one push into all against one into one
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -95,11 +100,26 @@ def parse_args(argv: list[str]) -> Config:
                    help="2: the engine on a second node (network namespace) across a shaped link (needs root)")
     p.add_argument("--link", type=link_rate, default=d.link, help="--nodes 2: the link's rate each way, in tc's units (1gbit, 100mbit)")
     p.add_argument("--port", type=int, default=d.port, help="--nodes 2: the engine's port on node B (the link probe: port + 1)")
-    return Config(**vars(p.parse_args(argv)))
+    p.add_argument("--engines", type=int, choices=(1, 2, 3), default=d.engines,
+                   help="2 or 3: that many `vllm serve` on this machine (ports --port + k); push time and engine "
+                        "pause into 1, 2, ... of them (vllm_engines)")
+    cfg = Config(**vars(p.parse_args(argv)))
+    if cfg.engines > 1 and cfg.nodes > 1:
+        p.error("--engines runs its engines on this machine: give it without --nodes 2")
+    return cfg
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
+    if cfg.engines > 1:
+        from . import vllm_engines
+
+        if "RANK" not in os.environ:
+            return vllm_engines.run(build_model(cfg), cfg, argv)
+        result = vllm_engines.run_rank(cfg)
+        if dist.get_rank() == 0:
+            vllm_engines.report(cfg, result)
+        return
     if "RANK" in os.environ:
         result = run_rank(cfg)
         if dist.get_rank() == 0:
@@ -289,18 +309,19 @@ def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
     sync = _sync(model, llm, cfg)
     sync.push()  # warm: staging pages resident, engine buffers allocated
     waited = shardwise.comm_stats()["weight_sync"].wait_seconds
-    times, peak = [], 0
+    times, pauses, peak = [], [], 0
     for _ in range(cfg.pushes):
         dist.barrier()
         with PeakRss() as mem:
             t0 = time.perf_counter()
             sync.push()
             times.append(_slowest(time.perf_counter() - t0))
+        pauses.append(_slowest(sync.pause_seconds))
         peak = max(peak, mem.peak - base)
     sync.close()
     engine = (shardwise.comm_stats()["weight_sync"].wait_seconds - waited) / cfg.pushes
     return {"seconds": statistics.median(times), "all_seconds": times, "extra_bytes": _largest(peak),
-            "engine_wait_seconds": engine}
+            "engine_wait_seconds": engine, "pause_seconds": statistics.median(pauses)}
 
 
 def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
@@ -345,7 +366,7 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
         step()
     sync = _sync(model, llm, cfg, delta=True)
     sync.push()  # full: the engine's copy and every rank's rows start here
-    ratios, times = [], []
+    ratios, times, pauses = [], [], []
     for _ in range(cfg.delta_pushes):
         step()
         before = shardwise.comm_stats()["weight_sync"]
@@ -353,12 +374,13 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
         t0 = time.perf_counter()
         sync.push()
         times.append(_slowest(time.perf_counter() - t0))
+        pauses.append(_slowest(sync.pause_seconds))
         after = shardwise.comm_stats()["weight_sync"]
         if dist.get_rank() == 0:
             ratios.append((after.bytes - before.bytes) / (after.payload_bytes - before.payload_bytes))
     sync.close()
     return {"bytes_ratio": statistics.median(ratios) if ratios else 0.0, "all_ratios": ratios,
-            "seconds": statistics.median(times)}
+            "seconds": statistics.median(times), "pause_seconds": statistics.median(pauses)}
 
 
 def report(cfg: Config, r: dict) -> None:
@@ -373,25 +395,26 @@ def report(cfg: Config, r: dict) -> None:
         return f"{s / naive['seconds']:.2f}" if naive else ""
 
     rows = [
-        (f"floor (bytes / {floor_of(cfg)})", floor, None, "1.00", ""),
-        (f"shardwise push ({wire}, bf16)", sw["seconds"], sw["extra_bytes"], f"{sw['seconds'] / floor:.2f}",
-         vs_naive(sw["seconds"])),
-        *([("naive: full_state_dict + reload_weights", naive["seconds"], naive["extra_bytes"],
+        (f"floor (bytes / {floor_of(cfg)})", floor, None, None, "1.00", ""),
+        (f"shardwise push ({wire}, bf16)", sw["seconds"], sw["pause_seconds"], sw["extra_bytes"],
+         f"{sw['seconds'] / floor:.2f}", vs_naive(sw["seconds"])),
+        *([("naive: full_state_dict + reload_weights", naive["seconds"], None, naive["extra_bytes"],
             f"{naive['seconds'] / floor:.2f}", "1.00")] if naive else []),
-        (f"shardwise delta push ({wire}, lr {cfg.lr:g})", delta["seconds"], None, f"{delta['seconds'] / floor:.2f}",
-         vs_naive(delta["seconds"])),
+        (f"shardwise delta push ({wire}, lr {cfg.lr:g})", delta["seconds"], delta["pause_seconds"], None,
+         f"{delta['seconds'] / floor:.2f}", vs_naive(delta["seconds"])),
     ]
     lines = [
         f"# shardwise bench --vllm: {r['size']} Llama ({r['params'] / 1e6:.1f}M parameters, "
         f"{r['wire_bytes'] / mib:.1f} MiB in bf16), {r['world']} trainer ranks, vLLM {_vllm_version()} on CPU"
         + ("" if cfg.nodes == 1 else f", on a second node across a {cfg.link} link"),
         "",
-        "| way | push s | extra peak memory (largest rank) | x floor | x naive |",
-        "|---|---|---|---|---|",
+        "| way | push s | engine pause s | extra peak memory (largest rank) | x floor | x naive |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, s, extra, xf, xn in rows:
+    for name, s, pause, extra, xf, xn in rows:
         mem = f"{extra / mib:.1f} MiB" if extra is not None else ""
-        lines.append(f"| {name} | {s:.3f} | {mem} | {xf} | {xn} |")
+        paused = f"{pause:.3f}" if pause is not None else ""
+        lines.append(f"| {name} | {s:.3f} | {paused} | {mem} | {xf} | {xn} |")
     lines += _notes(cfg, r, floor, allowed)
     text = "\n".join(lines)
     print(text)
@@ -420,7 +443,8 @@ def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
         f"- delta pushes sent {delta['bytes_ratio']:.3f}x a full push's bytes (median of {len(delta['all_ratios'])}: "
         + ", ".join(f"{x:.3f}" for x in delta["all_ratios"]) + ")",
         f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}{versus}; extra memory <= bucket + largest "
-        f"unit: {'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}",
+        f"unit: {'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}; "
+        f"delta's engine pause <= 0.1x a full push's: {delta['pause_seconds'] / sw['seconds']:.2f}",
     ]
 
 

@@ -159,14 +159,22 @@ class Watched:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.call("init_weight_transfer_engine", init_info)
 
-    def start_weight_update(self) -> None:
-        self.call("pause")
+    def start_weight_update(self, pause: bool = True) -> None:
+        """Open an update; ``pause``: a server stops generating first (full mode: layers are
+        replaced as they arrive). Delta mode keeps it serving: the updates go to the
+        engine's copy of the checkpoint, and the model changes only at the finish."""
+        if pause:
+            self.call("pause")
         self.call("start_weight_update")
 
     def update_weights(self, update_info) -> None:
         self.call("update_weights", update_info)
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
+    def finish_weight_update(self, weight_version: str | None = None, pause: bool = False) -> None:
+        """Commit the update (``pause``: a server stops generating for the commit alone), then
+        let the server generate again."""
+        if pause:
+            self.call("pause")
         self.call("finish_weight_update", weight_version or self.version)
         self.call("resume")
 

@@ -21,32 +21,37 @@ from .. import collectives as C
 from ..errors import ShardwiseError
 from .clients import EngineError, LLMClient, ServerClient, Watched
 from .plugin import register
-from .trainer import ShardwiseSource
-from .transport import TRANSPORTS
+from .trainer import Feed, ShardwiseSource
+from .transport import TRANSPORTS, VllmOwn
 
 
 class VLLMSync:
-    """Streams a sharded model's weights into a vLLM engine (collective: every rank builds it).
+    """Streams a sharded model's weights into vLLM engines (collective: every rank builds it).
 
-    ``engine``: on rank 0 an in-process ``vllm.LLM`` or the URL of a ``vllm serve``; None on
-    the other ranks. Both must run the "shardwise" weight-transfer backend
+    ``engine``: on rank 0 an in-process ``vllm.LLM``, the URL of a ``vllm serve``, or a list
+    of URLs (several engines: data-parallel replicas, other machines); None on the other
+    ranks. Every engine must run the "shardwise" weight-transfer backend
     (``weight_transfer_config={"backend": "shardwise"}``), registered in every vLLM process
     by shardwise's plugin. The handshake checks every name and shape against the engine's
-    loader before any weight moves.
+    loader before any weight moves. Several engines: engine j is fed by the j-th rank of the
+    replica holding rank 0 (modulo its size), from the units that rank gathers anyway, so
+    each trainer rank's bytes leave it once per engine it feeds, all engines at once; a push
+    commits on every engine or on none.
 
     - ``dtype``: the wire dtype of floating-point tensors. None (the default): the dtype the
       engine holds, which the handshake asks it for, so the engine gets the trainer's weights
-      as exactly as it can hold them. A narrower one (bf16 into an fp32 engine) halves the
-      bytes and rounds every weight on the way: the engine then serves a rounded model
-      (logprobs about 1e-3 off the trainer's, docs/rl.md).
-    - ``bucket_bytes``: staging memory on rank 0, two halves that alternate (one filled while
-      the engine loads the other).
+      as exactly as it can hold them (an engine in a dtype shardwise does not send, fp8 say,
+      is refused: pass ``dtype`` then). One of fp32, bf16, fp16. A narrower one (bf16 into an
+      fp32 engine) halves the bytes and rounds every weight on the way: the engine then
+      serves a rounded model (logprobs about 1e-3 off the trainer's, docs/rl.md).
+    - ``bucket_bytes``: staging memory per engine on the rank feeding it, two halves that
+      alternate (one filled while the engine loads the other).
     - ``transport``: "shm" (shared memory, one machine), "tcp" (Gloo, the engine on other
-      machines; ``address`` = rank 0's host as the engine's workers reach it, optionally
-      ":port"), "auto" (shm for an in-process ``LLM`` or a local URL, else tcp), or vLLM's own
-      GPU engines "nccl" / "ipc" (full pushes only; not run here: no GPU).
+      machines; ``address`` = this rank's host as the engine's workers reach it, optionally
+      ":port"), "auto" (shm for an in-process ``LLM`` or local URLs, else tcp), or vLLM's own
+      GPU engines "nccl" / "ipc" (one engine, full pushes only; not run here: no GPU).
     - ``delta``: after the first push, send only the values that changed (bitwise, in
-      ``dtype``); each rank keeps a copy of its own rows, the engine a copy of the checkpoint.
+      ``dtype``); each rank keeps a copy of its own rows, each engine a copy of the checkpoint.
     - ``timeout``: seconds one engine call may take; a dead engine is noticed within seconds.
     """
 
@@ -69,7 +74,7 @@ class VLLMSync:
         if (dist.get_rank() == 0) != (engine is not None):
             raise ShardwiseError(
                 f"rank {dist.get_rank()} passed engine={type(engine).__name__}: rank 0 passes the "
-                "vllm.LLM or the server's URL, every other rank None"
+                "vllm.LLM, the server's URL or a list of URLs, every other rank None"
             )
         if bucket_bytes < 1 << 16:
             raise ShardwiseError(f"bucket_bytes={bucket_bytes}: give at least 64 KiB")
@@ -79,35 +84,39 @@ class VLLMSync:
         _same_everywhere((str(dtype), bucket_bytes, transport, delta))
         self.model, self.delta = model, delta
         self.bucket_bytes, self.address, self.timeout = bucket_bytes, address, timeout
-        self.client = None
-        if engine is not None:
-            inner = ServerClient(engine, timeout) if isinstance(engine, str) else LLMClient(engine)
-            self.client = Watched(inner, timeout)
-        name, engine_dtype = self._engine_facts(transport)
+        name, engine_dtype, asked = self._engine_facts(engine, transport, dtype)
         self.transport = TRANSPORTS[name]
-        self.dtype = dtype if dtype is not None else engine_dtype
+        self.dtype = wire_dtype(dtype, engine_dtype)
         self.source = ShardwiseSource(model, self.dtype)
+        self.feeds, self.feeders = self._feeds(asked)
         self.version = 0  # of the last push that completed
         self.engine = None
         self._connect()
 
     def push(self) -> int:
-        """Send the model's current weights (delta mode: what changed since the last push);
-        collective, between steps. Returns the version the engine now serves. Raises
-        ``EngineError`` on every rank when the engine failed; the next push starts over."""
+        """Send the model's current weights (delta mode: what changed since the last push) to
+        every engine; collective, between steps. Returns the version the engines now serve.
+        Raises ``EngineError`` on every rank when an engine failed; the next push starts over."""
         if self.engine is None:
             self._connect()
         version = self.version + 1
         try:
-            self.transport.send(self.engine, version, self.client, self.source)
+            self.transport.send(self.engine, version, self.feeds[0].client if self.feeds else None, self.source)
         except EngineError:
             self._drop()
             raise
         self.version = version
         return version
 
+    @property
+    def pause_seconds(self) -> float:
+        """How long the engines this rank feeds stopped serving in the last push (from
+        ``start_weight_update`` to the end of ``finish_weight_update``, the longest); 0 on a
+        rank that feeds none, and for vLLM's own transports (they do not say)."""
+        return getattr(self.engine, "pause_seconds", 0.0)
+
     def close(self) -> None:
-        """Release the staging buffers and the link (the engine keeps serving)."""
+        """Release the staging buffers and the links (the engines keep serving)."""
         self._drop()
 
     def _connect(self) -> None:
@@ -115,47 +124,114 @@ class VLLMSync:
 
         register()  # vLLM loads its plugins only where an engine starts: not on other ranks
         info = self._init_info()
-        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=self.transport.client(self.feeds), source=self.source
+        )
 
     def _init_info(self):
-        rank, remote = dist.get_rank(), self.transport.remote
+        remote = self.transport.remote
         host, port = self._address() if remote else ("", 0)
-        workers = self.client.workers() if rank == 0 and remote else 1
-        return self.transport.trainer_info(rank=rank, delta=self.delta, bucket_bytes=self.bucket_bytes, host=host,
-                                           port=port, workers=workers, timeout=self.timeout)
+        workers = tuple(f.client.workers() if remote else 1 for f in self.feeds)
+        return self.transport.trainer_info(rank=dist.get_rank(), delta=self.delta, bucket_bytes=self.bucket_bytes,
+                                           host=host, port=port, workers=workers, feeders=self.feeders,
+                                           timeout=self.timeout)
 
-    def _engine_facts(self, transport: str) -> tuple[str, torch.dtype]:
-        """Rank 0 asks the engine, every rank learns: the transport "auto" picks, and the
-        dtype the engine holds (the default wire dtype)."""
-        facts = [None]
-        if self.client is not None:
-            auto = "shm" if self.client.local else "tcp"
-            try:
-                facts = [(auto if transport == "auto" else transport, str(self.client.dtype()).removeprefix("torch."))]
-            except EngineError as e:  # every rank learns of it: none waits on the broadcast
-                facts = [("", str(e))]
+    def _client(self, engine) -> Watched:
+        inner = ServerClient(engine, self.timeout) if isinstance(engine, str) else LLMClient(engine)
+        return Watched(inner, self.timeout)
+
+    def _engine_facts(self, engine, transport: str, dtype: torch.dtype | None) -> tuple[str, str, list[Watched]]:
+        """Rank 0 checks the engines and asks each for its dtype; every rank learns the
+        transport "auto" picks, the dtype the engines hold (the default wire dtype) and the
+        engines' URLs (several engines), or the problem. Rank 0 also gets the clients."""
+        facts, asked = [None], []
+        if dist.get_rank() == 0:
+            facts = [self._ask(engine, transport, dtype, asked)]
         if dist.get_world_size() > 1:
             C.blocking("broadcast", "VLLMSync engine facts", dist.broadcast_object_list, facts, src=0)
-        name, dtype = facts[0]
-        if not name:
+        name, dtype, self.urls, problem = facts[0]
+        if problem:
             where = "" if dist.get_rank() == 0 else " (reported by rank 0)"
-            raise EngineError(f"the engine could not be asked for its dtype{where}: {dtype}")
-        return name, getattr(torch, dtype)
+            kind, message = problem
+            raise (EngineError if kind == "engine" else ShardwiseError)(message.replace("{where}", where, 1))
+        return name, dtype, asked
+
+    def _ask(self, engine, transport: str, dtype: torch.dtype | None, asked: list[Watched]) -> tuple:
+        engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+        several = len(engines) > 1
+        if not engines:
+            return "", "", [], ("usage", "engine=[]{where}: give rank 0 at least one engine")
+        if several and not all(isinstance(e, str) for e in engines):
+            return "", "", [], ("usage", "several engines{where} are given by their URLs (`vllm serve`): an "
+                                "in-process vllm.LLM can only be the one engine (no other rank reaches it)")
+        if several and transport != "auto" and isinstance(TRANSPORTS[transport], VllmOwn):
+            return "", "", [], ("usage", f"several engines{{where}} take transport 'shm' or 'tcp' ({transport!r} "
+                                "feeds one engine)")
+        dtypes = []
+        for e in engines:
+            try:
+                asked.append(self._client(e))
+                dtypes.append(str(asked[-1].dtype()).removeprefix("torch."))
+            except EngineError as err:  # every rank learns of it: none waits on the broadcast
+                which = f" at {e}" if several else ""
+                return "", "", [], ("engine", f"the engine{which} could not be asked for its dtype{{where}}: {err}")
+        if len(set(dtypes)) > 1 and dtype is None:
+            return "", "", [], ("usage", f"the engines hold different dtypes {dtypes}{{where}}: serve them in one, "
+                                "or pass the wire dtype explicitly (dtype=torch.bfloat16)")
+        auto = "shm" if all(c.local for c in asked) else "tcp"
+        urls = engines if several else []
+        return auto if transport == "auto" else transport, dtypes[0], urls, ""
+
+    def _feeds(self, asked: list[Watched]) -> tuple[list[Feed], int]:
+        """The engines this rank feeds and how many ranks feed one: rank 0 the only engine;
+        several, engine j the j-th rank (modulo) of the replica holding rank 0."""
+        if not self.urls:
+            return ([Feed(asked[0])] if asked else []), 1
+        every = [None] * dist.get_world_size()
+        reads = self.source.rt.mesh.first_replica()
+        C.blocking("all_gather", "VLLMSync feeders", dist.all_gather_object, every, reads)
+        ranks = [r for r, first in enumerate(every) if first]
+        feeds = []
+        for j, url in enumerate(self.urls):
+            if ranks[j % len(ranks)] == dist.get_rank():
+                client = asked[j] if asked else self._client(url)
+                feeds.append(Feed(client, label=f"engine {j} ({url}): "))
+        return feeds, min(len(ranks), len(self.urls))
 
     def _address(self) -> tuple[str, int]:
-        """Where the engine's workers reach rank 0 (``address``, or this machine's address on
-        the route to the engine's URL); port 0: any free one."""
-        if self.client is None:
+        """Where the engines' workers reach this rank (``address``, or this machine's address
+        on the route to the first engine's URL); port 0: any free one."""
+        if not self.feeds:
             return "", 0
         host, _, port = (self.address or "").partition(":")
         if not host:
-            host = _route_to(getattr(self.client.client, "url", ""))
+            host = _route_to(getattr(self.feeds[0].client.client, "url", ""))
         return host, int(port or 0)
 
     def _drop(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a push sends floating-point tensors in
+
+
+def wire_dtype(requested: torch.dtype | None, engine: str) -> torch.dtype:
+    """The dtype floating-point tensors travel in: ``requested``, else the one the engine
+    holds (``engine``: its name as the engine reports it, "bfloat16")."""
+    if requested is not None:
+        if requested not in WIRE_DTYPES:
+            raise ShardwiseError(f"dtype={requested}: a push sends floating-point weights in one of "
+                                 f"{[str(d) for d in WIRE_DTYPES]}")
+        return requested
+    dtype = getattr(torch, engine, None)
+    if dtype not in WIRE_DTYPES:
+        raise ShardwiseError(
+            f"the engine holds its weights in {engine!r}, which shardwise does not send: pass the wire "
+            f"dtype explicitly, VLLMSync(..., dtype=torch.bfloat16) (one of {[str(d) for d in WIRE_DTYPES]})"
+        )
+    return dtype
 
 
 def _same_everywhere(settings: tuple) -> None:

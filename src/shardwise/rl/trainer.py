@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -78,89 +78,112 @@ class ShardwiseTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "shardwise"
     transport: str = "shm"  # a shardwise transport's name (transport.TRANSPORTS)
     delta: bool = False
-    bucket_bytes: int = 64 << 20  # staging memory on rank 0, two alternating halves
-    host: str = ""  # tcp: the address of rank 0 the engine's workers connect to
-    port: int = 0  # tcp: 0 picks a free port
-    workers: int = 1  # tcp: the engine's workers (TP x PP x DP)
+    bucket_bytes: int = 64 << 20  # staging memory per engine fed, two alternating halves
+    host: str = ""  # tcp: the address of this rank the engine's workers connect to
+    port: int = 0  # tcp: 0 picks a free port (the i-th engine this rank feeds: port + i)
+    workers: tuple[int, ...] = (1,)  # tcp: the workers (TP x PP x DP) of each engine this rank feeds
+    feeders: int = 1  # how many trainer ranks feed an engine (delta: each gets every change)
     timeout: float = 60.0
 
 
+@dataclass
+class Feed:
+    """One engine a trainer rank feeds: its client (``clients.Watched``), a name for errors
+    ("" with a single engine) and, once connected, the writer of its link."""
+
+    client: object
+    label: str = ""
+    writer: object = None
+
+
 class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShardwiseTrainerInitInfo]):
+    """Built on every trainer rank; ``client``: the ``Feed``s of the engines this rank feeds
+    (none on most ranks, one or more on the first ranks when several engines take a push)."""
+
     init_info_cls = ShardwiseTrainerInitInfo
 
-    def __init__(self, *, client, source: ShardwiseSource, is_sender: bool, info: ShardwiseTrainerInitInfo):
-        super().__init__(client=client, source=source, is_sender=is_sender)
+    def __init__(self, *, client: list[Feed], source: ShardwiseSource, info: ShardwiseTrainerInitInfo):
+        super().__init__(client=client, source=source, is_sender=bool(client))
         self.info = info
+        self.feeds = client
         self.shadow = Shadow()
         self.index = {e.name: i for i, e in enumerate(source.exports)}  # the shadow's keys
-        self.writer = None
         self.scratch = Scratch()  # every rank's gathers, on CPU; kept until shutdown
+        self.pause_seconds = 0.0  # the longest an engine this rank feeds stopped serving, last push
 
     @classmethod
     def trainer_init(cls, init_info: ShardwiseTrainerInitInfo, *, client, source=None):
         if not isinstance(source, ShardwiseSource):
             raise ValueError("the shardwise backend takes a ShardwiseSource (a sharded model)")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        problem = ""
-        if engine.is_sender:
+        engine = cls(client=list(client), source=source, info=init_info)
+        problems = []
+        for i, feed in enumerate(engine.feeds):
             try:
-                engine._handshake()
+                engine._handshake(feed, i)
             except Exception as e:
-                engine.shutdown()
-                problem = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
-        _agree(problem, "the engine refused the handshake")
+                problems.append(feed.label + _problem(e))
+        if problems:
+            engine.shutdown()
+        _agree("; ".join(problems), "the engine refused the handshake")
         return engine
 
-    def _handshake(self) -> None:
+    def _handshake(self, feed: Feed, i: int) -> None:
         info = self.info
-        self.writer = transport(info.transport).writer(info)
+        link = replace(info, port=info.port + i if info.port else 0, workers=info.workers[i])
+        feed.writer = transport(info.transport).writer(link)
         declared = [[e.name, wire.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
-        payload = {**self.writer.init_info(), "tensors": declared, "delta": info.delta, "timeout": info.timeout}
+        payload = {**feed.writer.init_info(), "tensors": declared, "delta": info.delta, "timeout": info.timeout}
         # tcp: both sides join the group at once. The engine checks the names first and
         # joins only if they fit; a refused handshake leaves the joining thread to time out.
         joined: Future = Future()
-        threading.Thread(target=_run_into, args=(self.writer.connect, joined), daemon=True).start()
-        self.client.init_weight_transfer_engine(payload)
+        threading.Thread(target=_run_into, args=(feed.writer.connect, joined), daemon=True).start()
+        feed.client.init_weight_transfer_engine(payload)
         joined.result(timeout=info.timeout)
-        self.writer.connected()
+        feed.writer.connected()
 
     def send_weights(self, version: int = 0) -> None:
-        """Push every weight (full) or what changed (delta, after a full push); collective."""
+        """Push every weight (full) or what changed (delta, after a full push) to every engine;
+        collective. Each engine's update is committed only when every engine got all of it:
+        otherwise every one is aborted."""
         src, rt = self.source, self.source.rt
         require_idle(rt, "VLLMSync.push")
         delta = self.info.delta and self.shadow.valid
         payload = sum(e.nbytes for e in src.exports)
-        sender = _Sender(self.client, self.writer, version, payload, self.info.delta) if self.is_sender else None
+        senders = [_Sender(f, version, payload, self.info.delta) for f in self.feeds]
         reads = rt.mesh.first_replica()
-        problem = ""
+        problems = []
         try:
             with readers(rt), torch.no_grad():
-                if sender:
-                    sender.guard(sender.start)
                 for unit, exps in src.groups:
-                    if _agree_flag(sender):
+                    if _any_failed(senders):
                         break
                     if not reads:
                         continue
                     if delta:
-                        self._delta_unit(unit, exps, sender)
+                        self._delta_unit(unit, exps, senders)
                     else:
-                        self._full_unit(unit, exps, sender)
-                if sender:
-                    sender.guard(sender.finish)
+                        self._full_unit(unit, exps, senders)
+                for sender in senders:
+                    sender.guard(sender.drain)
+                if _any_failed(senders):  # every engine's update, or none
+                    for sender in senders:
+                        sender.guard(_raise, EngineError("another engine's update failed: this one is aborted too"))
+                for sender in senders:
+                    sender.guard(sender.commit)
         finally:
-            if sender:
-                problem = sender.close()
-        if self.info.delta:
-            self.shadow.valid = not problem  # a failed push leaves the engine's copy unknown
-            if problem:
-                self.shadow.reset()
-        _agree(problem, f"push of version {version} failed")
+            problems = [p for p in (s.close() for s in senders) if p]
+            self.pause_seconds = max((s.paused for s in senders), default=0.0)
+        try:
+            _agree("; ".join(problems), f"push of version {version} failed")
+        except EngineError:
+            self.shadow.reset()  # what the engines hold is unknown: the next push is a full one
+            raise
+        self.shadow.valid = self.info.delta
 
-    def _full_unit(self, unit: int | None, exps: list[Export], sender) -> None:
+    def _full_unit(self, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
         gathered = Gathered(self.source.rt.units[unit], exps, self.scratch) if unit is not None else None
         for e in exps:
-            if sender:
+            for sender in senders:
                 segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
                 sender.guard(sender.packer.dense, e.name, e.dtype, e.shape, segments)
             if self.info.delta:
@@ -168,7 +191,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
                 if rows is not None:
                     self.shadow.store(self.index[e.name], rows[1], e.dtype)
 
-    def _delta_unit(self, unit: int | None, exps: list[Export], sender) -> None:
+    def _delta_unit(self, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
         rt = self.source.rt
         gathered = None
         if unit is not None and any(e.lora is not None for e in exps):
@@ -179,42 +202,44 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
             if rows is not None:
                 mine += self.shadow.patch(self.index[e.name], rows[0], rows[1], e.dtype)
         group = rt.units[unit].group if unit is not None else rt.mesh.shard
-        patches = _gather_to_rank0(mine, group)
-        if sender:
-            for p in patches:
-                e = self.source.exports[p.export]
+        patches = _gather_patches(mine, group, everywhere=self.info.feeders > 1)
+        for p in patches if senders else []:
+            e = self.source.exports[p.export]
+            for sender in senders:
                 if p.indices is None:
                     sender.guard(sender.packer.dense, e.name, e.dtype, e.shape, [(p.first, p.values)])
                 else:
                     sender.guard(sender.packer.sparse, e.name, e.dtype, e.shape, p.indices, p.values, p.steps)
 
     def shutdown(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for feed in self.feeds:
+            if feed.writer is not None:
+                feed.writer.close()
+                feed.writer = None
         self.shadow.reset()
         self.scratch = Scratch()
 
 
 class _Sender:
-    """Rank 0's half of a push: packs buckets and ships each on a thread (the engine's
-    ``update_weights`` call, and the transfer itself over tcp) while the next one fills.
-    A failure anywhere is kept in ``error``; later steps are skipped and every rank learns
-    of it at the next unit."""
+    """A feeding rank's half of a push to one engine: packs buckets and ships each on a
+    thread (the engine's ``update_weights`` call, and the transfer itself over tcp) while the
+    next one fills. A failure anywhere is kept in ``error``; later steps are skipped and every
+    rank learns of it at the next unit."""
 
-    def __init__(self, client, writer, version: int, payload: int, delta: bool):
-        self.client, self.writer, self.version, self.payload = client, writer, version, payload
-        self.delta = delta
+    def __init__(self, feed: Feed, version: int, payload: int, delta: bool):
+        self.client, self.writer, self.label = feed.client, feed.writer, feed.label
+        self.version, self.payload, self.delta = version, payload, delta
         self.error: BaseException | None = None
         self.free: queue.Queue = queue.Queue()
-        for i in range(len(writer.buffers)):
+        for i in range(len(self.writer.buffers)):
             self.free.put(i)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push")
         self.packer = wire.Packer(self.acquire, self.ship)
         self.sent = 0
-        self.waited = 0.0  # rank 0 blocked on the engine: a bucket to come back, the finish
+        self.waited = 0.0  # blocked on the engine: a bucket to come back, the finish
         self.started = False
         self.t0 = time.perf_counter()
+        self.t_pause = self.t_end = 0.0
 
     def guard(self, fn, *args) -> None:
         if self.error is not None:
@@ -225,16 +250,38 @@ class _Sender:
             self.error = e
 
     def start(self) -> None:
-        self.client.start_weight_update()
-        self.started = True
+        """Open the engine's update as late as can be, when the first bucket is full, so that
+        the gathers before it run while the engine still serves. Full mode: a server stops
+        generating from here (layers are replaced as they arrive); delta mode: only for the
+        commit (the engine patches its copy of the checkpoint and reloads it there)."""
+        self.started = True  # an abort follows even if the start itself failed half-way
+        if not self.delta:
+            self.t_pause = time.perf_counter()
+        self.client.start_weight_update(pause=not self.delta)
 
-    def finish(self) -> None:
+    @property
+    def paused(self) -> float:
+        """Seconds the engine stopped serving for this push (to the end of the commit)."""
+        return self.t_end - self.t_pause if self.t_end else 0.0
+
+    def drain(self) -> None:
+        """Ship the last bucket and wait until the engine has taken every one."""
         self.packer.flush()
+        if not self.started:  # nothing to send (a delta push with no change): a new version all the same
+            self.start()
         t0 = time.perf_counter()
         self.pool.shutdown(wait=True)
-        if self.error is None:
-            self.client.finish_weight_update(str(self.version))
         self.waited += time.perf_counter() - t0
+        if self.error is not None:
+            raise self.error
+
+    def commit(self) -> None:
+        t0 = time.perf_counter()
+        if self.delta:
+            self.t_pause = t0
+        self.client.finish_weight_update(str(self.version), pause=self.delta)
+        self.t_end = time.perf_counter()
+        self.waited += self.t_end - t0
 
     def acquire(self) -> wire.Bucket:
         t0 = time.perf_counter()
@@ -249,6 +296,8 @@ class _Sender:
             return wire.Bucket(self.writer.buffers[i], i)
 
     def ship(self, bucket: wire.Bucket) -> None:
+        if not self.started:
+            self.start()
         self.pool.submit(self._ship, bucket)
 
     def _ship(self, bucket: wire.Bucket) -> None:
@@ -264,15 +313,15 @@ class _Sender:
         self.free.put(bucket.index)
 
     def close(self) -> str:
-        """End the push on rank 0; "" or what went wrong. A push that failed with the engine
-        still alive is aborted: delta mode keeps serving the previous version; full mode has
-        replaced some layers, so a server stays paused until the next push completes."""
+        """End the push to this engine; "" or what went wrong. A push that failed with the
+        engine still alive is aborted: delta mode keeps serving the previous version; full mode
+        has replaced some layers, so a server stays paused until the next push completes."""
         self.pool.shutdown(wait=self.error is None)
         e = self.error
         if e is None:
             C.book_sent("weight_sync", self.sent, self.payload, time.perf_counter() - self.t0, self.waited)
             return ""
-        problem = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
+        problem = self.label + _problem(e)
         if self.started:
             try:
                 self.client.abort(self.version, resume=self.delta)
@@ -285,6 +334,14 @@ class _Sender:
         return problem
 
 
+def _problem(e: BaseException) -> str:
+    return str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
+
+
+def _raise(e: BaseException) -> None:
+    raise e
+
+
 def _run_into(fn, future: Future) -> None:
     try:
         future.set_result(fn())
@@ -292,29 +349,37 @@ def _run_into(fn, future: Future) -> None:
         future.set_exception(e)
 
 
-def _agree_flag(sender: _Sender | None) -> bool:
-    """Every rank learns whether rank 0's sender has failed (one small broadcast)."""
-    flag = torch.tensor([0 if sender is None or sender.error is None else 1], dtype=torch.int32)
+def _any_failed(senders: list[_Sender]) -> bool:
+    """Every rank learns whether any rank's push to any engine has failed (one small
+    all-reduce)."""
+    flag = torch.tensor([int(any(s.error is not None for s in senders))], dtype=torch.int32)
     if dist.get_world_size() > 1:
-        C.blocking("broadcast", "push status", dist.broadcast, flag, src=0)
+        C.blocking("all_reduce", "push status", dist.all_reduce, flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
 def _agree(problem: str, what: str) -> None:
-    """Rank 0's outcome on every rank: ``EngineError`` everywhere, or nothing."""
-    out = [problem]
+    """Every rank's outcome on every rank: ``EngineError`` everywhere, or nothing."""
+    every = [problem]
     if dist.get_world_size() > 1:
-        C.blocking("broadcast", "push outcome", dist.broadcast_object_list, out, src=0)
-    if out[0]:
-        where = "" if dist.get_rank() == 0 else " (reported by rank 0)"
-        raise EngineError(f"{what}{where}: {out[0]}")
+        every = [None] * dist.get_world_size()
+        C.blocking("all_gather", "push outcome", dist.all_gather_object, every, problem)
+    failed = [(rank, p) for rank, p in enumerate(every) if p]
+    if failed:
+        where = "" if problem else f" (reported by rank {failed[0][0]})"
+        raise EngineError(f"{what}{where}: {'; '.join(p for _, p in failed)}")
 
 
-def _gather_to_rank0(patches: list[Patch], group) -> list[Patch]:
-    """Every rank's patches of a unit, on rank 0 (in rank order); [] elsewhere."""
+def _gather_patches(patches: list[Patch], group, everywhere: bool) -> list[Patch]:
+    """Every rank's patches of a unit (in rank order) on rank 0, or on every rank of the group
+    when several feed engines; [] elsewhere."""
     world = dist.get_world_size(group)
     if world == 1:
         return patches
-    got = [None] * world if dist.get_rank() == 0 else None
-    C.blocking("gather", "push patches", dist.gather_object, patches, got, dst=0, group=group)
+    if everywhere:
+        got = [None] * world
+        C.blocking("all_gather", "push patches", dist.all_gather_object, got, patches, group=group)
+    else:
+        got = [None] * world if dist.get_rank() == 0 else None
+        C.blocking("gather", "push patches", dist.gather_object, patches, got, dst=0, group=group)
     return [p for ps in got for p in ps] if got is not None else []

@@ -41,20 +41,27 @@ class Transport:
     remote: ClassVar[bool]  # the engine may run on other machines: rank 0's address, its workers
     delta: ClassVar[bool] = True  # takes delta pushes (changed values only)
 
-    def trainer_info(self, *, rank: int, delta: bool, bucket_bytes: int, host: str, port: int, workers: int,
-                     timeout: float):
-        """vLLM's ``TrainerInitInfo`` for the backend this transport runs on."""
+    def trainer_info(self, *, rank: int, delta: bool, bucket_bytes: int, host: str, port: int,
+                     workers: tuple[int, ...], feeders: int, timeout: float):
+        """vLLM's ``TrainerInitInfo`` for the backend this transport runs on (``workers``: of
+        each engine this rank feeds; ``feeders``: how many ranks feed one)."""
         from .trainer import ShardwiseTrainerInitInfo
 
         return ShardwiseTrainerInitInfo(rank=rank, transport=self.name, delta=delta, bucket_bytes=bucket_bytes,
-                                        host=host, port=port, workers=workers, timeout=timeout)
+                                        host=host, port=port, workers=workers, feeders=feeders, timeout=timeout)
+
+    def client(self, feeds: list):
+        """What vLLM's trainer engine takes as its ``client``: shardwise's own, every engine
+        this rank feeds (``trainer.Feed``)."""
+        return feeds
 
     def send(self, engine, version: int, client, source) -> None:
         """One push through vLLM's trainer engine (collective)."""
         engine.send_weights(version=version)
 
     def writer(self, info):
-        """Trainer rank 0's end, from its ``ShardwiseTrainerInitInfo``."""
+        """A feeding trainer rank's end of one engine's link, from its
+        ``ShardwiseTrainerInitInfo`` (``workers``: that engine's)."""
         raise NotImplementedError
 
     def reader(self, info, rank: int):
@@ -87,6 +94,10 @@ class VllmOwn(Transport):
 
     delta = False
 
+    def client(self, feeds: list):
+        """vLLM's: rank 0's one engine's client, None elsewhere."""
+        return feeds[0].client if feeds else None
+
     def send(self, engine, version: int, client, source) -> None:
         if client is not None:
             client.version = str(version)
@@ -100,7 +111,7 @@ class VllmOwn(Transport):
 class Nccl(VllmOwn):
     name, remote = "nccl", True
 
-    def trainer_info(self, *, rank, delta, bucket_bytes, host, port, workers, timeout):
+    def trainer_info(self, *, rank, delta, bucket_bytes, host, port, workers, feeders, timeout):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         if rank == 0 and not port:
@@ -108,7 +119,7 @@ class Nccl(VllmOwn):
                 s.bind((host or "", 0))
                 port = s.getsockname()[1]
         return NCCLTrainerInitInfo(
-            rank=rank, master_address=host or "127.0.0.1", master_port=port, world_size=1 + workers,
+            rank=rank, master_address=host or "127.0.0.1", master_port=port, world_size=1 + sum(workers),
             packed=True, packed_buffer_size_bytes=bucket_bytes,
         )
 
@@ -116,7 +127,7 @@ class Nccl(VllmOwn):
 class Ipc(VllmOwn):
     name, remote = "ipc", False
 
-    def trainer_info(self, *, rank, delta, bucket_bytes, host, port, workers, timeout):
+    def trainer_info(self, *, rank, delta, bucket_bytes, host, port, workers, feeders, timeout):
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)

@@ -1,0 +1,134 @@
+"""``shardwise bench --vllm --engines K``: one push into several engines against the same push
+into one of them, in one run.
+
+    shardwise bench --vllm --engines 3 --nproc 2 --size medium
+
+The parent starts K ``vllm serve`` on this machine (bf16, the "shardwise" weight-transfer
+backend, ports ``--port`` + k), waits until each answers, then runs the trainer ranks under
+torchrun. They push (shared memory) to the first engine alone, then to the first two, ... up
+to K: per count, the median push (the slowest rank's) and the engines' pause (from
+``start_weight_update`` to the end of ``finish_weight_update``, the longest), and the push's
+ratio to one engine's (target <= 1.3x: each engine is fed by a rank of its own). Writes
+``bench_vllm_engines.json`` and ``bench_vllm_engines.md`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+HOST = "127.0.0.1"
+
+
+def engine_urls(cfg) -> list[str]:
+    return [f"http://{HOST}:{cfg.port + k}" for k in range(cfg.engines)]
+
+
+def run(model, cfg, argv: list[str]) -> None:
+    """The parent: the engines, then the trainer job; every server stopped at the end."""
+    from .harness import _without_nproc
+    from .vllm_link import _stop, _wait_for, serve_command, wait_healthy
+
+    work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-engines-"))
+    model.save_pretrained(work / "start")
+    threads = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+    servers: list[subprocess.Popen] = []
+    code = 0
+    try:
+        for k in range(cfg.engines):
+            with open(work / f"serve-{k}.log", "ab") as log:
+                servers.append(subprocess.Popen(
+                    serve_command(work / "start", cfg.port + k, host=HOST), stdout=log, stderr=subprocess.STDOUT,
+                    env={**threads, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True,
+                ))
+        for server, url in zip(servers, engine_urls(cfg)):
+            wait_healthy(url, check=lambda s=server: _exited(s, work))
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.nproc),
+                   "-m", "shardwise", "bench", "--vllm", *_without_nproc(argv)]
+        code = _wait_for(subprocess.Popen(trainer, env=threads, start_new_session=True), servers, work)
+    finally:
+        for s in reversed(servers):
+            _stop(s)
+        if not code:  # kept where the trainer failed: the engines' logs
+            shutil.rmtree(work, ignore_errors=True)
+    if code:
+        raise SystemExit(f"shardwise bench --vllm --engines: the trainer job exited {code} (the engines' logs: {work})")
+
+
+def _exited(server: subprocess.Popen, work: Path) -> None:
+    if server.poll() is not None:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in work.glob("*.log"))
+        raise SystemExit(f"shardwise bench --vllm --engines: a vllm serve exited {server.returncode}:\n{logs}")
+
+
+def run_rank(cfg) -> dict:
+    """Every rank: the model sharded, then the pushes to 1, 2, ... K engines."""
+    import shardwise
+    import shardwise.rl
+
+    from .vllm_link import SERVE_TIMEOUT_S
+    from .vllm_push import _say, _slowest, build_model
+
+    shardwise.init(timeout=SERVE_TIMEOUT_S)
+    model = build_model(cfg)
+    out = {"world": dist.get_world_size(), "size": cfg.size, "params": sum(p.numel() for p in model.parameters()),
+           "runs": []}
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+    urls = engine_urls(cfg)
+    for k in range(1, cfg.engines + 1):
+        _say(f"pushing to {k} engine(s)")
+        engines = (urls[0] if k == 1 else urls[:k]) if dist.get_rank() == 0 else None
+        sync = shardwise.rl.VLLMSync(model, engines, bucket_bytes=cfg.bucket_mb << 20)
+        sync.push()  # warm: staging pages resident, engine buffers allocated
+        times, pauses = [], []
+        for _ in range(cfg.pushes):
+            dist.barrier()
+            t0 = time.perf_counter()
+            sync.push()
+            times.append(_slowest(time.perf_counter() - t0))
+            pauses.append(_slowest(sync.pause_seconds))
+        sync.close()
+        out["runs"].append({"engines": k, "seconds": statistics.median(times), "all_seconds": times,
+                            "pause_seconds": statistics.median(pauses), "wire_bytes": _wire_bytes(sync)})
+    return out
+
+
+def _wire_bytes(sync) -> int:
+    return sum(e.nbytes for e in sync.source.exports)
+
+
+def report(cfg, r: dict) -> None:
+    """The table (printed, ``bench_vllm_engines.md``) and every number (``.json``)."""
+    from .vllm_push import _vllm_version
+
+    one = r["runs"][0]["seconds"]
+    lines = [
+        f"# shardwise bench --vllm --engines {cfg.engines}: {r['size']} Llama ({r['params'] / 1e6:.1f}M parameters, "
+        f"{r['runs'][0]['wire_bytes'] / 2**20:.1f} MiB in bf16), {r['world']} trainer ranks, `vllm serve` "
+        f"{_vllm_version()} engines on CPU, shm",
+        "",
+        "| engines | push s | x one engine | engine pause s |",
+        "|---|---|---|---|",
+    ]
+    for run in r["runs"]:
+        lines.append(f"| {run['engines']} | {run['seconds']:.3f} | {run['seconds'] / one:.2f} | "
+                     f"{run['pause_seconds']:.3f} |")
+    worst = max(run["seconds"] / one for run in r["runs"])
+    lines += ["", f"- target: a push to several engines <= 1.3x one engine's: {worst:.2f} (median of {cfg.pushes})"]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_vllm_engines.md").write_text(text + "\n")
+    (out / "bench_vllm_engines.json").write_text(json.dumps({"config": asdict(cfg), **r}, indent=1))
+
