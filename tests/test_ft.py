@@ -39,6 +39,8 @@ pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip instal
 import torch
 from outer_groups import replay
 
+from shardwise.addresses import free_port
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -58,9 +60,7 @@ def lighthouse_process(tmp_path):
     """``shardwise lighthouse`` in a process of its own (killed to lose it): its process and address."""
     from shardwise.ft.lighthouse import reachable
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp_path / "lighthouse.log", "w")  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardwise", "lighthouse", "--port", str(port), "--bind", "127.0.0.1"],

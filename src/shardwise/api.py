@@ -237,11 +237,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     problem = ""
     if dist.get_rank() == 0:
         problem = _state_dict_problem(state_dict, expected, full_shapes)
-    msg = [problem]
-    if dist.get_world_size() > 1:
-        C.blocking("broadcast", "load_full_state_dict check", dist.broadcast_object_list, msg, src=0)
-    if msg[0]:
-        raise ShardwiseError(msg[0] if dist.get_rank() == 0 else f"rank 0 reported: {msg[0]}")
+    C.agree(problem, "load_full_state_dict check", ShardwiseError)
     device = groups.device()
     with torch.no_grad():
         for unit in rt.units:

@@ -741,6 +741,22 @@ def blocking(kind: str, label: str, fn, *args, **kwargs):
     return out
 
 
+def agree(problem: str, label: str, error: Callable[[str], Exception], *, group=None, value=None):
+    """Decide on rank 0, raise on every rank: rank 0's ``problem`` ("" when all is well; the
+    other ranks' is not read) and ``value`` reach every rank of ``group`` (None: the world,
+    whose rank 0 decides; else the group's first rank). A ``problem`` raises ``error(message)``
+    on every rank, so none waits on a collective the others left: the message is ``problem``
+    on the deciding rank and names it on the others. Returns the deciding rank's ``value``."""
+    box = [(problem, value)]
+    if dist.get_world_size(group) > 1:
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        blocking("broadcast", label, dist.broadcast_object_list, box, src=src, group=group)
+    problem, value = box[0]
+    if problem:
+        raise error(problem if dist.get_rank(group) == 0 else f"{problem} (reported by rank 0)")
+    return value
+
+
 def step_check_nbytes(num_flags: int) -> int:
     """Bytes of the tensor one step check all-reduces for ``num_flags`` trained parameters."""
     return 8 * (num_flags + 2)

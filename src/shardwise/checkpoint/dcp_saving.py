@@ -141,7 +141,7 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
             f"save to {path} refused, nothing was written: " + "; ".join(problems)
         )
     tmp = commit.temp_dir(path, answers[0][1])
-    outcome: list = [""]
+    problem = ""
     try:
         torch_dcp.save(
             {},
@@ -150,19 +150,18 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
             process_group=group,
         )
     except Exception as e:  # DCP gathers every rank's error and raises on all of them
-        outcome[0] = f"{type(e).__name__}: {e}"
-    if rank == 0 and not outcome[0]:
+        problem = f"{type(e).__name__}: {e}"
+    if rank == 0 and not problem:
         try:
             commit.publish(tmp, path)
         except OSError as e:
-            outcome[0] = f"renaming {tmp} to {path} failed: {e}"
-    if rank == 0 and outcome[0]:
+            problem = f"renaming {tmp} to {path} failed: {e}"
+    if rank == 0 and problem:
         commit.discard(tmp)
-    C.blocking(
-        "broadcast", "DCP save outcome", dist.broadcast_object_list, outcome, src=0, group=group
+    C.agree(
+        problem, "DCP save outcome",
+        lambda m: CheckpointError(f"save to {path} failed, nothing was committed: {m}"), group=group,
     )
-    if outcome[0]:
-        raise CheckpointError(f"save to {path} failed, nothing was committed: {outcome[0]}")
     return SaveHandle(path)
 
 

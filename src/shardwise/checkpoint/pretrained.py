@@ -99,11 +99,7 @@ def save_pretrained(
             if dist.get_rank() == 0:  # runtime_of checked that the model's mesh spans the world
                 problem = _write(model, path, layout, tensors, feed)
             feed.drain()
-    outcome = [problem]
-    if dist.get_world_size() > 1:
-        C.blocking("broadcast", "save_pretrained outcome", dist.broadcast_object_list, outcome, src=0)
-    if outcome[0]:
-        raise CheckpointError(f"save_pretrained to {path} failed on rank 0: {outcome[0]}")
+    C.agree(problem, "save_pretrained outcome", lambda m: CheckpointError(f"save_pretrained to {path} failed: {m}"))
     return path
 
 

@@ -323,20 +323,21 @@ def _write_and_commit(snap: _Snapshot, tmp: Path, path: Path, group) -> None:
     except Exception as e:
         report.error = f"writing {report.file} failed: {type(e).__name__}: {e}"
     snap.entries = []  # drop the host copies now
-    outcome: list = [None]
     try:
         reports = [None] * world if rank == 0 else None
         C.blocking("gather", "checkpoint save reports", dist.gather_object, report, reports, dst=0, group=group)
-        if rank == 0:
-            outcome[0] = _commit(reports, tmp, path)
-        C.blocking("broadcast", "checkpoint save outcome", dist.broadcast_object_list, outcome, src=0, group=group)
+        problem = _commit(reports, tmp, path) if rank == 0 else ""
+        C.agree(
+            problem, "checkpoint save outcome",
+            lambda m: CheckpointError(f"save to {path} failed, nothing was committed: {m}"), group=group,
+        )
+    except CheckpointError:
+        raise
     except RuntimeError as e:  # a rank died or stalled: the collective timed out
         raise CheckpointError(
             f"save to {path} did not complete: another rank failed or died during it ({e}). "
             f"Nothing was committed; the previous checkpoints are untouched and {tmp} is not one."
         ) from e
-    if outcome[0]:
-        raise CheckpointError(f"save to {path} failed, nothing was committed: {outcome[0]}")
 
 
 def _commit(reports: list[_Report], tmp: Path, path: Path) -> str:

@@ -249,27 +249,21 @@ class Torchft:
         """Start this rank's manager (collective over the job): rank 0 checks the lighthouse
         and starts the group's store and manager server first, then the other ranks of the
         job's first replica join them (Note [jobs of different sizes])."""
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
         self._place = _Place.of(self._runtime.mesh, self._runtime.sharding.shard)
-        told = [None]
-        if rank == 0:
-            told[0] = self._start_first()
-        if world > 1:
-            C.blocking("broadcast", "torchft start", dist.broadcast_object_list, told, src=0, group=groups.host_group(None))
-        problem, store_host, store_port = told[0]
-        if problem:
-            raise LighthouseUnreachable(problem if rank == 0 else f"rank 0 reported: {problem}")
+        problem, store = self._start_first() if rank == 0 else ("", None)
+        store_host, store_port = C.agree(problem, "torchft start", LighthouseUnreachable, group=groups.host_group(None), value=store)
         if rank != 0 and self._place.leads:
             self._manager = self._make_manager(store_host, store_port)
 
-    def _start_first(self) -> tuple[str, str, int]:
+    def _start_first(self) -> tuple[str, tuple[str, int] | None]:
         deadline = time.monotonic() + min(10.0, self.timeout)
         while not reachable(self.lighthouse):
             if time.monotonic() > deadline:
                 return (
                     f"no lighthouse answers at {self.lighthouse}: start one there (shardwise "
                     "lighthouse, or torchft_lighthouse --min_replicas 1) or fix the address "
-                    "(TORCHFT_LIGHTHOUSE)", "", 0,
+                    "(TORCHFT_LIGHTHOUSE)", None,
                 )
             time.sleep(0.2)
         host = self._host()
@@ -277,8 +271,8 @@ class Torchft:
         try:
             self._manager = self._make_manager(host, self._store.port)
         except Exception as e:  # the lighthouse went away in between, or refused us
-            return f"the manager could not join the lighthouse at {self.lighthouse}: {e}", "", 0
-        return "", host, self._store.port
+            return f"the manager could not join the lighthouse at {self.lighthouse}: {e}", None
+        return "", (host, self._store.port)
 
     def _host(self) -> str:
         return self.hostname or local_address(self.lighthouse)

@@ -44,7 +44,7 @@ from ..api import no_sync
 from ..checkpoint import load, save
 from ..checkpoint.commit import is_complete
 from ..errors import ShardwiseError
-from ..options import ShardOptions, is_sharded, shard_with
+from ..options import ShardOptions, is_sharded, mixed_precision_of, shard_with
 from ..policies import MixedPrecision, Sharding
 from .precision import ShardwisePrecision, plugin_of
 
@@ -139,16 +139,11 @@ class ShardwiseStrategy(ParallelStrategy):
 
     def _mixed_precision(self) -> MixedPrecision | str | None:
         """shard()'s mixed precision: the strategy's option, or else Trainer's ``precision=``."""
-        from_flag = self.precision_plugin.mixed_precision
-        given = self.options.mixed_precision
-        if given is None:
-            return from_flag
-        if self.precision_plugin.precision != "32-true" and MixedPrecision.of(given) != MixedPrecision.of(from_flag):
-            raise ShardwiseError(
-                f"ShardwiseStrategy(mixed_precision={given!r}) and Trainer(precision="
-                f"{self.precision_plugin.precision!r}) disagree: set one of them"
-            )
-        return given
+        flag = self.precision_plugin.precision
+        return mixed_precision_of(
+            self.options.mixed_precision, None if flag == "32-true" else f"Trainer(precision={flag!r})",
+            self.precision_plugin.mixed_precision, owner="ShardwiseStrategy",
+        )
 
     # --- devices, ranks, launch
     @property

@@ -347,21 +347,17 @@ def _one_plan_for_all(plan_here: Callable[..., Plan]) -> Callable[..., Plan]:
     def plan(*args, **kwargs) -> Plan:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return plan_here(*args, **kwargs)
-        box: list = [None]
-        failure = None
+        chosen, problem, failure = None, "", None
         if dist.get_rank() == 0:
             try:
-                box[0] = (True, plan_here(*args, **kwargs))
+                chosen = plan_here(*args, **kwargs)
             except Exception as exc:
-                failure = exc
-                box[0] = (False, f"{type(exc).__name__}: {exc}")
-        collectives.blocking("broadcast", "plan", dist.broadcast_object_list, box, src=0)
-        ok, value = box[0]
-        if failure is not None:
-            raise failure
-        if not ok:
-            raise ShardwiseError(f"plan() failed on rank 0, which plans for every rank: {value}")
-        return value
+                failure, problem = exc, f"{type(exc).__name__}: {exc}"
+
+        def error(message: str) -> Exception:  # rank 0 raises its own error
+            return failure or ShardwiseError(f"plan() failed on rank 0, which plans for every rank: {message}")
+
+        return collectives.agree(problem, "plan", error, value=chosen)
 
     return plan
 

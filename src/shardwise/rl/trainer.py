@@ -302,12 +302,7 @@ def _agree_flag(sender: _Sender | None) -> bool:
 
 def _agree(problem: str, what: str) -> None:
     """Rank 0's outcome on every rank: ``EngineError`` everywhere, or nothing."""
-    out = [problem]
-    if dist.get_world_size() > 1:
-        C.blocking("broadcast", "push outcome", dist.broadcast_object_list, out, src=0)
-    if out[0]:
-        where = "" if dist.get_rank() == 0 else " (reported by rank 0)"
-        raise EngineError(f"{what}{where}: {out[0]}")
+    C.agree(problem, "push outcome", lambda m: EngineError(f"{what}: {m}"))
 
 
 def _gather_to_rank0(patches: list[Patch], group) -> list[Patch]:
