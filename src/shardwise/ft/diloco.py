@@ -81,6 +81,7 @@ from .errors import FaultToleranceError
 from .topk import TopK2Bit
 
 if TYPE_CHECKING:
+    from .heal import Snapshot
     from .replicas import Torchft
 
 
@@ -120,7 +121,6 @@ class DiLoCo:
             self.sitting_out = True  # (no inner steps yet: FaultToleranceError after max_failed_steps)
             self._issue()
             self._started = self._apply()
-        self.ft._in_step = True  # (the units' average across groups is skipped: Torchft.all_reduce)
         self.inner.zero_grad(set_to_none)
 
     def step(self, closure=None) -> bool:
@@ -128,7 +128,6 @@ class DiLoCo:
             raise ShardwiseError("a DiLoCo step takes no closure")
         if not self._started:
             raise ShardwiseError("opt.step() without opt.zero_grad() first")
-        self.ft._in_step = False
         self.inner.step()
         self.local += 1
         if self.local == self.every - self.delay:
@@ -151,7 +150,7 @@ class DiLoCo:
         pseudo-gradient, issued (``_apply`` waits for it)."""
         ft = self.ft
         ft.begin_step()  # the quorum: a group behind heals here (took)
-        state = ft._manager.current_step() if ft._manager is not None else ft._told["state"]["step"]
+        state = ft._manager.current_step() if ft._manager is not None else ft._quorum.step
         piece = self.pieces[(state - 1) % len(self.pieces)]  # (the same on every group of the quorum)
         residual_before = self._residual(piece) if self.codec is not None else None
         flat = self._pseudo_gradient(piece)
@@ -180,7 +179,6 @@ class DiLoCo:
             ft._place.share(work, flat).wait()
         elif work is not None:
             work.wait()
-        ft._in_step = True  # (the torchft step _issue began, across the delay's inner steps)
         committed = ft.commit()
         if not committed and self.codec is not None:  # (the residual as the sync found it)
             self._set_residual(residual_before, piece)
@@ -268,7 +266,7 @@ class DiLoCo:
         ft = self.ft
         if ft._manager is None:
             return None
-        mine = 0.0 if self.sitting_out else ft._told["weight"]
+        mine = 0.0 if self.sitting_out else ft._quorum.weight
         seen = torch.tensor([mine], dtype=torch.float64)
         ft._manager.allreduce(seen).wait()
         self._mismatch, self._anyone = self._check_global(), seen.item() > 0
@@ -293,10 +291,10 @@ class DiLoCo:
         return None
 
     # --- healing (Torchft's snapshot and take)
-    def snapshot(self, served: dict) -> dict:
+    def snapshot(self, served: Snapshot) -> Snapshot:
         """What a joining rank takes: ``served`` (ft/heal.py's snapshot) with the global
         parameters in place of this group's inner ones."""
-        return {**served, "params": {self.names[id(p)]: b for p, b in zip(self.params, self.backup, strict=True)}}
+        return served.with_params({self.names[id(p)]: b for p, b in zip(self.params, self.backup, strict=True)})
 
     def took(self) -> None:
         """After a heal (the parameters are the live group's global ones): keep them as the
