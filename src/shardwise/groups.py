@@ -165,6 +165,13 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return _host_groups[key]
 
 
+def background_group() -> dist.ProcessGroup:
+    """A new Gloo group over the world for collectives issued on a thread of their own (a
+    background checkpoint save), apart from every other group so that they never interleave
+    with the training thread's. Collective: every rank calls it, on its main thread."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The ranks one model trains on: parameters are sharded within ``shard`` and, for hybrid

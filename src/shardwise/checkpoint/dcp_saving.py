@@ -44,7 +44,7 @@ from .state import (
 )
 
 
-class _Pieces(DefaultSavePlanner):
+class Pieces(DefaultSavePlanner):
     """Writes exactly the given pieces: DCP's planner validates that they tile every tensor
     and builds the metadata; its writer writes them."""
 
@@ -61,7 +61,7 @@ class _Pieces(DefaultSavePlanner):
         return obj() if callable(obj) else obj  # a piece read from a file when written
 
 
-class _Collect:
+class Collect:
     def __init__(self) -> None:
         self.items: list[WriteItem] = []
         self.objects: dict[MetadataIndex, Any] = {}
@@ -101,7 +101,7 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
     rt = runtime_of(model, "save")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problem, pieces = "", _Collect()
+    problem, pieces = "", Collect()
     try:
         _collect(pieces, model, rt, optimizer, rank)
         if rank == 0:
@@ -146,7 +146,7 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
         torch_dcp.save(
             {},
             storage_writer=FileSystemWriter(tmp, single_file_per_rank=True),
-            planner=_Pieces(pieces.items, pieces.objects),
+            planner=Pieces(pieces.items, pieces.objects),
             process_group=group,
         )
     except Exception as e:  # DCP gathers every rank's error and raises on all of them
@@ -165,7 +165,7 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
     return SaveHandle(path)
 
 
-def _collect(pieces: _Collect, model, rt, optimizer, rank: int) -> None:
+def _collect(pieces: Collect, model, rt, optimizer, rank: int) -> None:
     slots = param_slots(rt)
     for s in slots:
         lo, hi = s.saved
@@ -183,7 +183,7 @@ def _collect(pieces: _Collect, model, rt, optimizer, rank: int) -> None:
         _collect_optimizer(pieces, opt, slots, rank)
 
 
-def _collect_optimizer(pieces: _Collect, opt, slots, rank: int) -> None:
+def _collect_optimizer(pieces: Collect, opt, slots, rank: int) -> None:
     by_id = {id(s.tensor): s for s in slots}
     keys = per_element_keys(opt)
     for p, st in opt.state.items():
@@ -218,7 +218,7 @@ def _collect_optimizer(pieces: _Collect, opt, slots, rank: int) -> None:
         param_groups(pieces, named)
 
 
-def param_groups(pieces: _Collect, groups: list[dict]) -> None:
+def param_groups(pieces: Collect, groups: list[dict]) -> None:
     """The param groups (``params``: the parameter names) in FSDP2's form, by index, and in
     torchtitan's flattened form, per parameter."""
     for gi, group in enumerate(groups):

@@ -25,7 +25,6 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +193,7 @@ def save(
         return handle
     saves = _saves(model)
     if saves.group is None:  # collective, on the main thread of every rank alike
-        saves.group = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=groups.DEFAULT_TIMEOUT_S)
-        )
+        saves.group = groups.background_group()
     work = functools.partial(_write_and_commit, snap, tmp, path, saves.group)
     handle._thread = threading.Thread(
         target=handle._run, args=(work,), name=f"shardwise-save:{path.name}"

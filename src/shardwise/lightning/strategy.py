@@ -39,6 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from .. import collectives as C
 from .. import groups
 from ..api import no_sync
 from ..checkpoint import load, save
@@ -248,16 +249,14 @@ class ShardwiseStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if groups.backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        devices = {"device_ids": [self.root_device.index]} if groups.backend() == "nccl" else {}
+        C.blocking("barrier", f"Lightning barrier {name or ''}".rstrip(), dist.barrier, **devices)
 
     def broadcast(self, obj, src: int = 0):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        C.blocking("broadcast", "Lightning broadcast", dist.broadcast_object_list, box, src)
         return box[0]
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
