@@ -214,7 +214,7 @@ def different_sizes(jobs: Jobs, strategy: dict, forever: bool = True) -> dict:
     joins late: its first replica heals through torchft and its second from the first (Note
     [jobs of different sizes] in shardwise/ft/replicas.py). All three ranks end bitwise equal
     and, every rank's batch counting once (Note [the job's average before the groups'] in
-    shardwise/outer.py), like one process on the batches taking part. ``forever``: the jobs go on
+    shardwise/replica_groups.py), like one process on the batches taking part. ``forever``: the jobs go on
     after saving (else they stop and exit). Returns the jobs' config."""
     cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": forever,
            "max_steps": 100_000, **strategy}

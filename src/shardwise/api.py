@@ -20,8 +20,8 @@ from . import placement as placements
 from .build import broadcast_from_rank0, build
 from .checkpoint import load_full
 from .errors import ShardwiseError
-from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Settings, Sharding
+from .replica_groups import ReplicaGroups
 from .runtime import require_idle, runtime_of
 from .unit import ShardedUnit, Unit
 from .wrap import Policy
@@ -117,7 +117,7 @@ def _replica_groups(fault_tolerance):
         raise ShardwiseError(
             f"fault_tolerance={type(fault_tolerance).__name__} is not replica groups: pass a "
             "shardwise.ft.Torchft(lighthouse=..., replica_id=...) (or an object with attach, "
-            "all_reduce and size: shardwise.outer.ReplicaGroups)"
+            "all_reduce and size: shardwise.replica_groups.ReplicaGroups)"
         )
     return fault_tolerance
 

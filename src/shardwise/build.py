@@ -25,9 +25,9 @@ from .conversions import guard_conversions
 from .errors import ShardwiseError
 from .groups import Mesh
 from .layout import Layout, Slot
-from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Recompute, Settings, Sharding, UnitConfig
 from .recompute import checkpoint_activations
+from .replica_groups import ReplicaGroups
 from .runtime import Runtime
 from .streams import Streams
 from .unit import Registration, ReplicatedUnit, ShardedUnit, Unit, shard_param

@@ -68,7 +68,7 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
-# outer_all_reduce: the one across replica groups outside the job (outer.py);
+# outer_all_reduce: the one across replica groups outside the job (replica_groups.py);
 # weight_sync: weights handed from this rank to an inference engine (shardwise.rl), booked as sent
 KINDS = (
     "all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "outer_all_reduce", "broadcast",
@@ -133,7 +133,7 @@ class Pending:
             for work in self.works:
                 work.wait()
             work = None  # (it holds its buffers: they go with the works, before the event)
-        except ShardwiseError:  # named already (replica groups outside the job: outer.py)
+        except ShardwiseError:  # named already (replica groups outside the job: replica_groups.py)
             raise
         except Exception as exc:  # Gloo raises on peer death and on timeout
             raise flight.diagnose(self.record, _cause(exc)) from exc

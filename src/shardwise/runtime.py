@@ -35,8 +35,8 @@ from . import collectives as C
 from . import events
 from .errors import ShardwiseError
 from .groups import Mesh
-from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Sharding
+from .replica_groups import ReplicaGroups
 from .unit import Occupancy, ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
@@ -195,7 +195,7 @@ class Runtime:
         self.units = units  # innermost first, root last
         self.sharding = sharding  # the strategy (its name, for tools and checkpoints, is its value)
         self.mesh = mesh
-        self.outer = outer  # replica groups outside the job (outer.py), whose units reduce across them
+        self.outer = outer  # replica groups outside the job (replica_groups.py), whose units reduce across them
         # all-reduces that follow a unit's reduce-scatter: one unit's reduction in flight per each
         self._all_reduces_after_scatter = int(sharding.hybrid) + int(outer is not None)
         self.max_unsharded = max_unsharded

@@ -25,7 +25,7 @@ from ..policies import Sharding
 from . import dcp
 from .index import CheckpointError
 from .loading import CheckpointInfo, LoadPlan, agree_on_problems, listed
-from .state import ParamSlot, optimizers, param_slots, persistent_buffers, runtime_of
+from .state import ParamSlot, idle_world_runtime, optimizers, param_slots, persistent_buffers
 
 _MODEL_PREFIXES = (dcp.MODEL, "")  # FSDP2's {"model": ...}, torchtitan's flattened model
 
@@ -37,7 +37,7 @@ def load(
     names: Callable[[str], str] | None,
 ) -> CheckpointInfo:
     """See ``shardwise.load``: a DCP directory (``.metadata`` and ``*.distcp``)."""
-    rt = runtime_of(model, "load")
+    rt = idle_world_runtime(model, "load")
     group = rt.mesh.whole
     plan = LoadPlan(None, path, None)
     info: dict[str, Any] = {}

@@ -34,13 +34,13 @@ from . import commit, dcp
 from .index import CheckpointError, is_dcp
 from .saving import SaveHandle
 from .state import (
+    idle_world_runtime,
     is_per_element,
     optimizer_names,
     optimizers,
     param_slots,
     per_element_keys,
     persistent_buffers,
-    runtime_of,
 )
 
 
@@ -98,7 +98,7 @@ class Collect:
 
 def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) -> SaveHandle:
     """See ``shardwise.save``: ``format="dcp"`` (collective, synchronous)."""
-    rt = runtime_of(model, "save")
+    rt = idle_world_runtime(model, "save")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     problem, pieces = "", Collect()

@@ -33,11 +33,11 @@ from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, read_ind
 from .saving import finish_pending
 from .state import (
     ParamSlot,
+    idle_world_runtime,
     optimizer_names,
     optimizers,
     param_slots,
     persistent_buffers,
-    runtime_of,
 )
 
 
@@ -193,7 +193,7 @@ def load(
     checkpoint's parameter names to the model's (renamed modules); DCP checkpoints only. RNG
     states are not in a DCP checkpoint (``rng_restored`` is False).
     """
-    rt = runtime_of(model, "load")
+    rt = idle_world_runtime(model, "load")
     finish_pending(model)
     path = Path(path)
     if is_dcp(path):
@@ -497,7 +497,7 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
     checkpoint does not hold stays as initialised). A peft model takes the checkpoint of the
     model it adapts; its adapters keep their values. A checkpoint that matches nothing raises.
     """
-    rt = runtime_of(model, "load_full")
+    rt = idle_world_runtime(model, "load_full")
     finish_pending(model)
     group = rt.mesh.whole
     path = Path(path)

@@ -38,13 +38,13 @@ from . import commit, files
 from .index import CheckpointError, Index, Piece, TensorRecord, rank_file, storable_hyper
 from .state import (
     ParamSlot,
+    idle_world_runtime,
     is_per_element,
     optimizer_names,
     optimizers,
     param_slots,
     per_element_keys,
     persistent_buffers,
-    runtime_of,
 )
 
 
@@ -158,7 +158,7 @@ def save(
     and ``load`` reads back; every rank writes its rows in parallel. It holds no RNG states
     and is written synchronously.
     """
-    rt = runtime_of(model, "save")
+    rt = idle_world_runtime(model, "save")
     finish_pending(model)
     if format == "dcp":
         if async_:

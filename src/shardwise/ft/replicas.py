@@ -195,7 +195,7 @@ class Torchft(Steps):
             self._manager.shutdown(wait=False)
             self._manager = None
 
-    # --- outer.OuterGroups: what shard() and the units call
+    # --- replica_groups.ReplicaGroups: what shard() and the units call
     def attach(self, model: nn.Module) -> None:
         if self._model is not None:
             raise ShardwiseError("a Torchft serves one model: make one per sharded model")
