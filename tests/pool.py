@@ -17,7 +17,6 @@ import contextlib
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -194,12 +193,6 @@ def _exit_now(dist: Any) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
@@ -321,10 +314,12 @@ class WorkerPool:
 
     def _spawn(self, attempts: int = 2) -> None:
         """Start fresh workers; retry once, since the free port we picked may be taken."""
+        from shardwise.addresses import free_port  # (the parent's: workers import no torch early)
+
         ctx = get_context("spawn")
         started = time.monotonic()
         for attempt in range(attempts):
-            port = _free_port()
+            port = free_port()
             for rank in range(self.world_size):
                 ours, theirs = ctx.Pipe(duplex=True)
                 proc = ctx.Process(

@@ -125,3 +125,24 @@ def strategy_typo():
 
 def test_unknown_strategy(pools):
     assert "'fullshard'" in pools(1).run(strategy_typo)[0]
+
+
+def agree_on(problems: list[str]):
+    """Each rank's own problem; what ``agree`` makes of rank 0's, on every rank."""
+    import torch.distributed as dist
+
+    from shardwise import collectives
+
+    rank = dist.get_rank()
+    try:
+        return collectives.agree(problems[rank], "test agree", ShardwiseError, value=f"from rank {rank}")
+    except ShardwiseError as e:
+        return f"raised: {e}"
+
+
+def test_agree_decides_on_rank_0_and_raises_on_every_rank(pools):
+    pool = pools(2)
+    assert pool.run(agree_on, ["", "rank 1 alone is not read"]) == ["from rank 0", "from rank 0"]
+    assert pool.run(agree_on, ["bad input", ""]) == [
+        "raised: bad input", "raised: bad input (reported by rank 0)",
+    ]

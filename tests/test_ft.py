@@ -39,6 +39,8 @@ pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip instal
 import torch
 from outer_groups import replay
 
+from shardwise.addresses import free_port
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -58,9 +60,7 @@ def lighthouse_process(tmp_path):
     """``shardwise lighthouse`` in a process of its own (killed to lose it): its process and address."""
     from shardwise.ft.lighthouse import reachable
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp_path / "lighthouse.log", "w")  # noqa: SIM115 (the child holds it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardwise", "lighthouse", "--port", str(port), "--bind", "127.0.0.1"],
@@ -214,7 +214,7 @@ def different_sizes(jobs: Jobs, strategy: dict, forever: bool = True) -> dict:
     joins late: its first replica heals through torchft and its second from the first (Note
     [jobs of different sizes] in shardwise/ft/replicas.py). All three ranks end bitwise equal
     and, every rank's batch counting once (Note [the job's average before the groups'] in
-    shardwise/outer.py), like one process on the batches taking part. ``forever``: the jobs go on
+    shardwise/replica_groups.py), like one process on the batches taking part. ``forever``: the jobs go on
     after saving (else they stop and exit). Returns the jobs' config."""
     cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": forever,
            "max_steps": 100_000, **strategy}

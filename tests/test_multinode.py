@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,13 @@ import torch
 import shardwise
 from shardwise import checkpoint as ckpt
 from shardwise import train
+from shardwise.addresses import free_port
 
 TESTS = Path(__file__).resolve().parent
 # agents find shardwise where this process did (an installed copy, or this checkout's src/)
 PYTHONPATH = os.pathsep.join(
     [str(Path(shardwise.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def agent(

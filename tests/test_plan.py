@@ -352,7 +352,7 @@ def test_planned_phases_within_analytic_bounds(strategy, offload, backend):
 def traced_phases(strategy):
     """A real step's peak by phase, from the tracer, and shard()'s own from the CPU
     allocator's log (shard() builds the model from the meta device one module at a time)."""
-    log = T._Allocations()
+    log = T.Allocations()
     with torch.device("meta"):
         model = bound_gpt()
     log.start()

@@ -5,13 +5,13 @@ exactly and with int8 on the link; cross-node bytes equal the theory. Skips, say
 namespaces cannot be made (not root, no iproute2)."""
 
 import json
-import socket
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
+from shardwise.addresses import free_port
 from shardwise.bench import netns
 
 HERE = Path(__file__).resolve().parent
@@ -21,9 +21,7 @@ WHY = netns.unavailable()
 @pytest.mark.skipif(bool(WHY), reason=f"two nodes on one machine: {WHY}")
 def test_hybrid_trains_across_a_shaped_link(tmp_path):
     out = tmp_path / "result.json"
-    with socket.socket() as s:  # a port number; the namespaces have every port free anyway
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port number; the namespaces have every port free anyway
     with netns.two_nodes(rate="100mbit") as link:
         run_id = uuid.uuid4().hex[:8]
         agents = [

@@ -169,3 +169,14 @@ def test_settings_travel_and_compare_by_what_they_select():
     for settings in (MIXED, Settings("full_shard", sized, (("", UnitConfig()),))):
         assert pickle.loads(pickle.dumps(settings)) == settings
     assert shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__) == BLOCK
+
+
+def test_recomputation_is_typed_and_users_names_still_work():
+    import pickle
+
+    from shardwise.policies import Recompute
+
+    by_name, by_member = UnitConfig(checkpoint="selective"), UnitConfig(checkpoint=Recompute.SELECTIVE)
+    assert by_name == by_member and by_name.checkpoint is Recompute.SELECTIVE
+    assert UnitConfig().checkpoint is Recompute.NONE and f"{Recompute.FULL}" == "full"  # prints as its name
+    assert pickle.loads(pickle.dumps(by_name)) == by_name

@@ -20,8 +20,8 @@ from . import placement as placements
 from .build import broadcast_from_rank0, build
 from .checkpoint import load_full
 from .errors import ShardwiseError
-from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Settings, Sharding
+from .replica_groups import ReplicaGroups
 from .runtime import require_idle, runtime_of
 from .unit import ShardedUnit, Unit
 from .wrap import Policy
@@ -117,7 +117,7 @@ def _replica_groups(fault_tolerance):
         raise ShardwiseError(
             f"fault_tolerance={type(fault_tolerance).__name__} is not replica groups: pass a "
             "shardwise.ft.Torchft(lighthouse=..., replica_id=...) (or an object with attach, "
-            "all_reduce and size: shardwise.outer.ReplicaGroups)"
+            "all_reduce and size: shardwise.replica_groups.ReplicaGroups)"
         )
     return fault_tolerance
 
@@ -237,11 +237,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     problem = ""
     if dist.get_rank() == 0:
         problem = _state_dict_problem(state_dict, expected, full_shapes)
-    msg = [problem]
-    if dist.get_world_size() > 1:
-        C.blocking("broadcast", "load_full_state_dict check", dist.broadcast_object_list, msg, src=0)
-    if msg[0]:
-        raise ShardwiseError(msg[0] if dist.get_rank() == 0 else f"rank 0 reported: {msg[0]}")
+    C.agree(problem, "load_full_state_dict check", ShardwiseError)
     device = groups.device()
     with torch.no_grad():
         for unit in rt.units:

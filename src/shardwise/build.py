@@ -25,9 +25,9 @@ from .conversions import guard_conversions
 from .errors import ShardwiseError
 from .groups import Mesh
 from .layout import Layout, Slot
-from .outer import ReplicaGroups
-from .policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
+from .policies import Comm, MixedPrecision, Recompute, Settings, Sharding, UnitConfig
 from .recompute import checkpoint_activations
+from .replica_groups import ReplicaGroups
 from .runtime import Runtime
 from .streams import Streams
 from .unit import Registration, ReplicatedUnit, ShardedUnit, Unit, shard_param
@@ -269,10 +269,10 @@ def build(
         groups.host_group(layout_mesh.whole), comm, outer,
     )
     guard_conversions(module, rt)  # Note [conversions after shard()]
-    for kind in ("full", "selective"):
-        recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint == kind}
+    for kind in (Recompute.FULL, Recompute.SELECTIVE):
+        recomputed = {p.name for p, c in zip(plans, configs) if c.checkpoint is kind}
         if recomputed:
-            checkpoint_activations(module, lambda m, name, r=recomputed: name in r, selective=kind == "selective")
+            checkpoint_activations(module, lambda m, name, r=recomputed: name in r, selective=kind is Recompute.SELECTIVE)
     offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
     if offloaded:
         rt.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
@@ -287,7 +287,7 @@ def _unit_configs(
     """Each unit's settings: the plan's, or the strategy's for every unit. A plan names
     exactly the units the wrap policy makes; the root recomputes nothing."""
     if settings is None:
-        configs = [UnitConfig(sharding.reshard_after_forward, "none", cpu_offload) for _ in plans]
+        configs = [UnitConfig(sharding.reshard_after_forward, Recompute.NONE, cpu_offload) for _ in plans]
     else:
         configs = [settings.of(p.name) for p in plans]
         extra = {n for n, _ in settings.units} - {p.name for p in plans}
@@ -297,9 +297,9 @@ def _unit_configs(
                 "model's wrap policy does not make units: plan the model you shard"
             )
     for p, c in zip(plans, configs):
-        if p.is_root and c.checkpoint != "none":
+        if p.is_root and c.checkpoint is not Recompute.NONE:
             raise ShardwiseError(
-                f"UnitConfig(checkpoint={c.checkpoint!r}) on the root unit would recompute the whole "
+                f"UnitConfig(checkpoint={c.checkpoint.value!r}) on the root unit would recompute the whole "
                 "model: checkpoint wrapped units instead"
             )
     if any(c.offload for c in configs) and not sharding.shard:

@@ -68,7 +68,7 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
-# outer_all_reduce: the one across replica groups outside the job (outer.py);
+# outer_all_reduce: the one across replica groups outside the job (replica_groups.py);
 # weight_sync: weights handed from this rank to an inference engine (shardwise.rl), booked as sent
 KINDS = (
     "all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "outer_all_reduce", "broadcast",
@@ -133,7 +133,7 @@ class Pending:
             for work in self.works:
                 work.wait()
             work = None  # (it holds its buffers: they go with the works, before the event)
-        except ShardwiseError:  # named already (replica groups outside the job: outer.py)
+        except ShardwiseError:  # named already (replica groups outside the job: replica_groups.py)
             raise
         except Exception as exc:  # Gloo raises on peer death and on timeout
             raise flight.diagnose(self.record, _cause(exc)) from exc
@@ -743,6 +743,22 @@ def blocking(kind: str, label: str, fn, *args, **kwargs):
         raise flight.diagnose(record, _cause(exc)) from exc
     record.done = True
     return out
+
+
+def agree(problem: str, label: str, error: Callable[[str], Exception], *, group=None, value=None):
+    """Decide on rank 0, raise on every rank: rank 0's ``problem`` ("" when all is well; the
+    other ranks' is not read) and ``value`` reach every rank of ``group`` (None: the world,
+    whose rank 0 decides; else the group's first rank). A ``problem`` raises ``error(message)``
+    on every rank, so none waits on a collective the others left: the message is ``problem``
+    on the deciding rank and names it on the others. Returns the deciding rank's ``value``."""
+    box = [(problem, value)]
+    if dist.get_world_size(group) > 1:
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        blocking("broadcast", label, dist.broadcast_object_list, box, src=src, group=group)
+    problem, value = box[0]
+    if problem:
+        raise error(problem if dist.get_rank(group) == 0 else f"{problem} (reported by rank 0)")
+    return value
 
 
 def step_check_nbytes(num_flags: int) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import sys
 import time
 import uuid
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import addresses
 from .errors import ShardwiseError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -163,6 +163,13 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
             use_local_synchronization=ranks is not None and not fake,
         )
     return _host_groups[key]
+
+
+def background_group() -> dist.ProcessGroup:
+    """A new Gloo group over the world for collectives issued on a thread of their own (a
+    background checkpoint save), apart from every other group so that they never interleave
+    with the training thread's. Collective: every rank calls it, on its main thread."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 
 @dataclass(frozen=True)
@@ -376,9 +383,7 @@ def launch_local(nproc: int, entry: Callable, *args) -> dict[int, object]:
     engine behind torchrun), rendezvous on a free loopback port; returns each rank's result."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = addresses.free_port()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

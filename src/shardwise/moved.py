@@ -1,4 +1,4 @@
-"""Old import paths of modules that moved in 0.2, kept importable (with a DeprecationWarning)
+"""Old import paths of modules that moved (in 0.2, and since), kept importable (with a DeprecationWarning)
 until 0.3.
 
 ``import shardwise.tools.plan`` (or ``from shardwise.checkpointing import ...``) imports the
@@ -31,6 +31,8 @@ MOVED = {
     "shardwise.checkpointing": "shardwise.recompute",
     "shardwise.activations": "shardwise.activation_offload",
     "shardwise.quantize": "shardwise.codecs",
+    # one name per concept (issue 43)
+    "shardwise.outer": "shardwise.replica_groups",
 }
 
 

@@ -61,6 +61,20 @@ class ShardOptions:
             )
 
 
+def mixed_precision_of(
+    option: MixedPrecision | str | None, flag: str | None, asks: MixedPrecision | str | None, *, owner: str
+) -> MixedPrecision | str | None:
+    """shard()'s mixed precision where a framework has a precision setting of its own:
+    ``option``, the ``mixed_precision`` given to ``owner`` (None: not given), and ``asks``, what
+    the framework's ``flag`` stands for (``flag`` as the user wrote it; None: left at its default).
+    Either alone decides; both must agree, else the error names both."""
+    if option is None:
+        return asks
+    if flag is not None and MixedPrecision.of(option) != MixedPrecision.of(asks):
+        raise ShardwiseError(f"{owner}(mixed_precision={option!r}) and {flag} disagree: set one of them")
+    return option
+
+
 def policy_of(spec: wraps.Policy | Classes | None, model: nn.Module) -> wraps.Policy:
     """A wrap policy from a policy, a collection of module classes, or None (``wrap.auto``)."""
     if spec is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
 
 import torch
 
@@ -164,6 +163,26 @@ class Sharding(str, Enum):
 STRATEGIES = tuple(s.value for s in Sharding)  # the names, for argparse and messages
 
 
+class Recompute(str, Enum):
+    """What a unit recomputes in backward instead of keeping from forward (``UnitConfig``'s
+    ``checkpoint``): a ``str`` enum like ``Sharding``, so that it prints, serialises and
+    compares as the name users write."""
+
+    NONE = "none"  # keeps every activation
+    SELECTIVE = "selective"  # keeps the outputs of matrix products and attention
+    FULL = "full"  # recomputes the module's whole forward (torch.utils.checkpoint)
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def of(cls, spec: Recompute | str) -> Recompute:
+        try:
+            return cls(spec)
+        except ValueError:
+            raise ShardwiseError(f"UnitConfig(checkpoint={spec!r}): use 'none', 'selective' or 'full'") from None
+
+
 @dataclass(frozen=True)
 class UnitConfig:
     """How one unit runs: the settings a plan chooses per unit and ``shard(plan=...)`` applies.
@@ -171,9 +190,9 @@ class UnitConfig:
     reshard_after_forward: free the unit's full parameters after its forward and gather them
     again for backward (full_shard), or keep them to backward (shard_grad_op). The root never
     reshards after forward (backward needs it first).
-    checkpoint: "full" recomputes the unit's activations in backward (its module's forward
-    under torch.utils.checkpoint); "selective" keeps the outputs of its matrix products and
-    attention and recomputes the rest; "none" keeps them all.
+    checkpoint: a ``Recompute`` or its name: "full" recomputes the unit's activations in
+    backward (its module's forward under torch.utils.checkpoint); "selective" keeps the outputs
+    of its matrix products and attention and recomputes the rest; "none" keeps them all.
     offload: the unit's parameter shards, their gradients and so its optimizer state live in
     host memory (``cpu_offload`` for this unit alone).
     offload_activations: the activations the unit's forward saves for backward wait in host
@@ -181,18 +200,15 @@ class UnitConfig:
     """
 
     reshard_after_forward: bool = True
-    checkpoint: Literal["none", "selective", "full"] = "none"
+    checkpoint: Recompute = Recompute.NONE
     offload: bool = False
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        if self.checkpoint not in ("none", "selective", "full"):
+        object.__setattr__(self, "checkpoint", Recompute.of(self.checkpoint))  # (a name too)
+        if self.offload_activations and self.checkpoint is not Recompute.NONE:
             raise ShardwiseError(
-                f"UnitConfig(checkpoint={self.checkpoint!r}): use 'none', 'selective' or 'full'"
-            )
-        if self.offload_activations and self.checkpoint != "none":
-            raise ShardwiseError(
-                f"UnitConfig(checkpoint={self.checkpoint!r}, offload_activations=True): a unit "
+                f"UnitConfig(checkpoint={self.checkpoint.value!r}, offload_activations=True): a unit "
                 "either recomputes its activations or offloads them; choose one"
             )
 

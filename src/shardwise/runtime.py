@@ -35,8 +35,8 @@ from . import buckets, events
 from . import collectives as C
 from .errors import ShardwiseError
 from .groups import Mesh
-from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision, Sharding
+from .replica_groups import ReplicaGroups
 from .unit import Occupancy, ReplicatedUnit, ShardedUnit, Unit, UnitState
 
 
@@ -46,21 +46,21 @@ class Phase(Enum):
     BACKWARD = auto()
 
 
-def _tensors(obj, out: list[torch.Tensor]) -> list[torch.Tensor]:
+def flat_tensors(obj, out: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors inside nested tuples, lists and dicts, in order."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            _tensors(o, out)
+            flat_tensors(o, out)
     elif isinstance(obj, dict):
         for o in obj.values():
-            _tensors(o, out)
+            flat_tensors(o, out)
     return out
 
 
 def _replace_tensors(obj, it):
-    """``obj`` with each tensor (in ``_tensors`` order) replaced by the next item of ``it``."""
+    """``obj`` with each tensor (in ``flat_tensors`` order) replaced by the next item of ``it``."""
     if isinstance(obj, torch.Tensor):
         return next(it)
     if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
@@ -195,7 +195,7 @@ class Runtime:
         self.units = units  # innermost first, root last
         self.sharding = sharding  # the strategy (its name, for tools and checkpoints, is its value)
         self.mesh = mesh
-        self.outer = outer  # replica groups outside the job (outer.py), whose units reduce across them
+        self.outer = outer  # replica groups outside the job (replica_groups.py), whose units reduce across them
         # all-reduces that follow a unit's reduce-scatter: one unit's reduction in flight per each
         self._all_reduces_after_scatter = int(sharding.hybrid) + int(outer is not None)
         self.max_unsharded = max_unsharded
@@ -290,7 +290,7 @@ class Runtime:
                 # before its first call's gradients are in: they were lost)
                 self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                 plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
-                flat = args if plain else _tensors((args, kwargs), [])
+                flat = args if plain else flat_tensors((args, kwargs), [])
                 if any(t.requires_grad for t in flat):
                     marked = _PostBackward.apply(runtime_ref, unit_ref, *flat)
                     return (marked, kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
@@ -314,7 +314,7 @@ class Runtime:
             if not grad or (unit.reshard_after_forward and not unit.is_root):
                 unit.reshard()
             if grad:
-                outs = [t for t in ((output,) if type(output) is torch.Tensor else _tensors(output, [])) if t.requires_grad]
+                outs = [t for t in ((output,) if type(output) is torch.Tensor else flat_tensors(output, [])) if t.requires_grad]
                 if len(outs) == 1:  # (what register_multi_grad_hook does for one, without its wrapping)
                     outs[0].register_hook(pre_backward)
                 elif outs:
@@ -590,7 +590,7 @@ def require_idle(rt: Runtime, what: str) -> None:
 
 def _cast_floats(obj, dtype: torch.dtype):
     """``obj`` with its floating-point tensors cast to ``dtype``."""
-    tensors = _tensors(obj, [])
+    tensors = flat_tensors(obj, [])
     return _replace_tensors(obj, iter(t.to(dtype) if t.is_floating_point() else t for t in tensors))
 
 

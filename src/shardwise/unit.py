@@ -29,8 +29,8 @@ from . import events, placement
 from .codecs import Codec
 from .errors import ShardwiseError
 from .layout import Layout, Slot
-from .outer import ReplicaGroups
 from .policies import Comm, MixedPrecision
+from .replica_groups import ReplicaGroups
 from .streams import Streams
 
 
@@ -118,7 +118,7 @@ class Unit:
     ):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
         self._places = [(r.module._parameters, r.attr, r.index) for r in registrations]  # (for _swap)
-        # replica groups outside the job (outer.py): gradients are averaged across them once
+        # replica groups outside the job (replica_groups.py): gradients are averaged across them once
         # the job's own reduction is complete
         self.outer = outer
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

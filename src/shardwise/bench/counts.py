@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..observer import accounting
-from ..runtime import _tensors
+from ..runtime import flat_tensors
 
 
 class CommCounter(TorchDispatchMode):
@@ -54,7 +54,7 @@ class CommCounter(TorchDispatchMode):
                 self.bytes["send"] = self.bytes.get("send", 0) + sum(t.nbytes for t in args[0])
             elif name in self.OPS:
                 kind, i = self.OPS[name]
-                full = sum(t.nbytes for t in _tensors(args[i], []))
+                full = sum(t.nbytes for t in flat_tensors(args[i], []))
                 factor = 2 if kind == "all_reduce" else 1
                 n = _group_size(args, self.world)
                 moved = factor * full * (n - 1) // n

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
 def _across_a_link(cfg: BenchConfig, argv: list[str]) -> None:
     """Run this benchmark as two torchrun agents, one per namespace, over a link shaped to
     ``--link``; rank 0 (node A) writes the results."""
-    from .netns import two_nodes, unavailable
+    from .netns import two_nodes, unavailable, without_nproc
 
     why = unavailable()
     if why:
@@ -260,25 +260,13 @@ def _across_a_link(cfg: BenchConfig, argv: list[str]) -> None:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": str(cfg.threads)}
     with two_nodes(rate=cfg.link) as link:
-        args = ["-m", "shardwise", "bench", *_without_nproc(argv)]
+        args = ["-m", "shardwise", "bench", *without_nproc(argv)]
         agents = [
             link.agent(node, cfg.nproc, args, run_id=f"bench-{os.getpid()}", env=env) for node in (0, 1)
         ]
         codes = [a.wait() for a in agents]
     if any(codes):
         raise SystemExit(f"shardwise bench --nodes 2: the agents exited with {codes}")
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    """``argv`` less ``--nproc``: torchrun's parser takes it for its own ``--nproc_per_node``
-    even after the module's name (and a rank under torchrun ignores it anyway)."""
-    out, args = [], iter(argv)
-    for arg in args:
-        if arg == "--nproc":
-            next(args, None)
-        elif not arg.startswith("--nproc="):
-            out.append(arg)
-    return out
 
 
 # --------------------------------------------------------------------------- models and systems

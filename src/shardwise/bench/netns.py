@@ -169,3 +169,15 @@ def send_rate(host: str, port: int, nbytes: int, tries: int = 3) -> float:
                 raise RuntimeError(f"the sink on {host}:{port} closed before acknowledging {nbytes} bytes")
             best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc``: torchrun's parser takes it for its own ``--nproc_per_node``
+    even after the module's name (and a rank under torchrun ignores it anyway)."""
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg == "--nproc":
+            next(args, None)
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out

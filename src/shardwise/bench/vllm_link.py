@@ -66,8 +66,7 @@ def wait_healthy(url: str, timeout: float = SERVE_TIMEOUT_S, check: Callable[[],
 def run(model, cfg, argv: list[str]) -> None:
     """The parent: namespaces, the engine and the sink on node B, the trainer job on node A;
     every process stopped and both namespaces deleted at the end, whatever happened."""
-    from .harness import _without_nproc
-    from .netns import two_nodes, unavailable
+    from .netns import two_nodes, unavailable, without_nproc
 
     why = unavailable()
     if why:
@@ -78,7 +77,7 @@ def run(model, cfg, argv: list[str]) -> None:
     serve_env = {**threads, "VLLM_SERVER_DEV_MODE": "1"}
     trainer = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.nproc),
-        "-m", "shardwise", "bench", "--vllm", *_without_nproc(argv),
+        "-m", "shardwise", "bench", "--vllm", *without_nproc(argv),
     ]
     code = 0
     try:

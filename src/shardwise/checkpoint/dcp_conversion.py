@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from . import commit, dcp, files
 from .conversion import verified_headers
-from .dcp_saving import _Collect, _Pieces, param_groups
+from .dcp_saving import Collect, Pieces, param_groups
 from .index import CheckpointError, Piece, TensorRecord, read_index
 
 
@@ -42,7 +42,7 @@ def to_dcp(ckpt: Path, out: Path) -> list[Path]:
         )
     if out.exists():
         raise CheckpointError(f"{out} exists: convert writes a new directory")
-    pieces = _Collect()
+    pieces = Collect()
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(ckpt / f, framework="pt")) for f in index.files}
         for t in index.tensors.values():
@@ -75,7 +75,7 @@ def to_dcp(ckpt: Path, out: Path) -> list[Path]:
                 torch_dcp.save(
                     {},
                     storage_writer=FileSystemWriter(tmp, single_file_per_rank=True),
-                    planner=_Pieces(pieces.items, pieces.objects),
+                    planner=Pieces(pieces.items, pieces.objects),
                     no_dist=True,
                 )
             commit.publish(tmp, out)

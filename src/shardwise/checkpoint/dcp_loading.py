@@ -24,8 +24,8 @@ from .. import collectives as C
 from ..policies import Sharding
 from . import dcp
 from .index import CheckpointError
-from .loading import CheckpointInfo, _agree, _names, _Plan
-from .state import ParamSlot, optimizers, param_slots, persistent_buffers, runtime_of
+from .loading import CheckpointInfo, LoadPlan, agree_on_problems, listed
+from .state import ParamSlot, idle_world_runtime, optimizers, param_slots, persistent_buffers
 
 _MODEL_PREFIXES = (dcp.MODEL, "")  # FSDP2's {"model": ...}, torchtitan's flattened model
 
@@ -37,9 +37,9 @@ def load(
     names: Callable[[str], str] | None,
 ) -> CheckpointInfo:
     """See ``shardwise.load``: a DCP directory (``.metadata`` and ``*.distcp``)."""
-    rt = runtime_of(model, "load")
+    rt = idle_world_runtime(model, "load")
     group = rt.mesh.whole
-    plan = _Plan(None, path, None)
+    plan = LoadPlan(None, path, None)
     info: dict[str, Any] = {}
     install: list[Callable[[], None]] = []
     reading = None
@@ -48,7 +48,7 @@ def load(
         _plan_load(plan, reading, path, model, rt, optimizer, names or (lambda n: n), info, install)
     except Exception as e:  # any rank's failure must reach the others
         plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
-    _agree(plan, f"cannot load {path}", group)
+    agree_on_problems(plan, f"cannot load {path}", group)
     failure = ""
     try:
         with torch.no_grad():
@@ -153,7 +153,7 @@ def model_names(
                 extra = sorted(set(found) - set(wanted) - aliases)
                 if extra:
                     raise CheckpointError(
-                        f"tensors in the checkpoint that the model does not have: {_names(extra)}; "
+                        f"tensors in the checkpoint that the model does not have: {listed(extra)}; "
                         + fix
                     )
             return prefix, {n: found[n] for n in wanted}
@@ -163,7 +163,7 @@ def model_names(
     missing = [n for n in wanted if n not in found]
     raise CheckpointError(
         f"tensors missing from the checkpoint (looked under '{prefix or 'the top level'}'): "
-        f"{_names(missing)}; {fix}"
+        f"{listed(missing)}; {fix}"
     )
 
 
@@ -209,7 +209,7 @@ def _plan_optimizer(plan, reading, md, opt, slots, bare, prefix, values) -> Call
         saved = groups.get(keys[0]) if keys else None
         if saved is None or any(groups.get(k) is not saved for k in keys):
             raise CheckpointError(
-                f"{cls} param group {gi} ({_names(keys)}) matches no param group of the checkpoint"
+                f"{cls} param group {gi} ({listed(keys)}) matches no param group of the checkpoint"
             )
         mine = set(g) - {"params"}
         theirs = set(saved)

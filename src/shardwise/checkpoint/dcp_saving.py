@@ -34,17 +34,17 @@ from . import commit, dcp
 from .index import CheckpointError, is_dcp
 from .saving import SaveHandle
 from .state import (
+    idle_world_runtime,
     is_per_element,
     optimizer_names,
     optimizers,
     param_slots,
     per_element_keys,
     persistent_buffers,
-    runtime_of,
 )
 
 
-class _Pieces(DefaultSavePlanner):
+class Pieces(DefaultSavePlanner):
     """Writes exactly the given pieces: DCP's planner validates that they tile every tensor
     and builds the metadata; its writer writes them."""
 
@@ -61,7 +61,7 @@ class _Pieces(DefaultSavePlanner):
         return obj() if callable(obj) else obj  # a piece read from a file when written
 
 
-class _Collect:
+class Collect:
     def __init__(self) -> None:
         self.items: list[WriteItem] = []
         self.objects: dict[MetadataIndex, Any] = {}
@@ -98,10 +98,10 @@ class _Collect:
 
 def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) -> SaveHandle:
     """See ``shardwise.save``: ``format="dcp"`` (collective, synchronous)."""
-    rt = runtime_of(model, "save")
+    rt = idle_world_runtime(model, "save")
     group = rt.mesh.whole
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problem, pieces = "", _Collect()
+    problem, pieces = "", Collect()
     try:
         _collect(pieces, model, rt, optimizer, rank)
         if rank == 0:
@@ -141,32 +141,31 @@ def save(path: Path, model: nn.Module, optimizer, step: int | None, extra: Any) 
             f"save to {path} refused, nothing was written: " + "; ".join(problems)
         )
     tmp = commit.temp_dir(path, answers[0][1])
-    outcome: list = [""]
+    problem = ""
     try:
         torch_dcp.save(
             {},
             storage_writer=FileSystemWriter(tmp, single_file_per_rank=True),
-            planner=_Pieces(pieces.items, pieces.objects),
+            planner=Pieces(pieces.items, pieces.objects),
             process_group=group,
         )
     except Exception as e:  # DCP gathers every rank's error and raises on all of them
-        outcome[0] = f"{type(e).__name__}: {e}"
-    if rank == 0 and not outcome[0]:
+        problem = f"{type(e).__name__}: {e}"
+    if rank == 0 and not problem:
         try:
             commit.publish(tmp, path)
         except OSError as e:
-            outcome[0] = f"renaming {tmp} to {path} failed: {e}"
-    if rank == 0 and outcome[0]:
+            problem = f"renaming {tmp} to {path} failed: {e}"
+    if rank == 0 and problem:
         commit.discard(tmp)
-    C.blocking(
-        "broadcast", "DCP save outcome", dist.broadcast_object_list, outcome, src=0, group=group
+    C.agree(
+        problem, "DCP save outcome",
+        lambda m: CheckpointError(f"save to {path} failed, nothing was committed: {m}"), group=group,
     )
-    if outcome[0]:
-        raise CheckpointError(f"save to {path} failed, nothing was committed: {outcome[0]}")
     return SaveHandle(path)
 
 
-def _collect(pieces: _Collect, model, rt, optimizer, rank: int) -> None:
+def _collect(pieces: Collect, model, rt, optimizer, rank: int) -> None:
     slots = param_slots(rt)
     for s in slots:
         lo, hi = s.saved
@@ -184,7 +183,7 @@ def _collect(pieces: _Collect, model, rt, optimizer, rank: int) -> None:
         _collect_optimizer(pieces, opt, slots, rank)
 
 
-def _collect_optimizer(pieces: _Collect, opt, slots, rank: int) -> None:
+def _collect_optimizer(pieces: Collect, opt, slots, rank: int) -> None:
     by_id = {id(s.tensor): s for s in slots}
     keys = per_element_keys(opt)
     for p, st in opt.state.items():
@@ -219,7 +218,7 @@ def _collect_optimizer(pieces: _Collect, opt, slots, rank: int) -> None:
         param_groups(pieces, named)
 
 
-def param_groups(pieces: _Collect, groups: list[dict]) -> None:
+def param_groups(pieces: Collect, groups: list[dict]) -> None:
     """The param groups (``params``: the parameter names) in FSDP2's form, by index, and in
     torchtitan's flattened form, per parameter."""
     for gi, group in enumerate(groups):

@@ -33,11 +33,11 @@ from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, read_ind
 from .saving import finish_pending
 from .state import (
     ParamSlot,
+    idle_world_runtime,
     optimizer_names,
     optimizers,
     param_slots,
     persistent_buffers,
-    runtime_of,
 )
 
 
@@ -53,7 +53,8 @@ class CheckpointInfo:
     rng_restored: bool  # each rank's RNG states were restored (only at the saved world size)
 
 
-def _names(names: list[str], limit: int = 10) -> str:
+def listed(names: list[str], limit: int = 10) -> str:
+    """``names`` quoted for a message, the first ``limit`` of them."""
     shown = ", ".join(f"'{n}'" for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -63,7 +64,7 @@ def _located(names: list[str], records: dict[str, TensorRecord], limit: int = 10
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-class _Plan:
+class LoadPlan:
     """One load, worked out before anything changes: the problems found, the copies to make,
     and the files they read (each opened once and, for a checkpoint, verified once)."""
 
@@ -158,7 +159,7 @@ def _copy(
     dest[a - lo : b - lo].copy_(files.read_rows(handle, name, shape, first, a, b))
 
 
-def _agree(plan: _Plan, what: str, group) -> None:
+def agree_on_problems(plan: LoadPlan, what: str, group) -> None:
     """Raise on every rank if any rank found a problem (a collective)."""
     everyone: list = [None] * dist.get_world_size(group)
     C.blocking("all_gather", "checkpoint load agreement", dist.all_gather_object, everyone, plan.problems, group=group)
@@ -192,7 +193,7 @@ def load(
     checkpoint's parameter names to the model's (renamed modules); DCP checkpoints only. RNG
     states are not in a DCP checkpoint (``rng_restored`` is False).
     """
-    rt = runtime_of(model, "load")
+    rt = idle_world_runtime(model, "load")
     finish_pending(model)
     path = Path(path)
     if is_dcp(path):
@@ -205,7 +206,7 @@ def load(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     index: Index | None = None
     with ExitStack() as stack:
-        plan = _Plan(stack, path, None)
+        plan = LoadPlan(stack, path, None)
         restore: list[Callable[[], None]] = []
         try:
             index = read_index(path)
@@ -225,9 +226,9 @@ def load(
             if same:
                 restore.append(_plan_rng(plan, index.rng[rank]))
             restore.append(_plan_residuals(plan, index.rng[rank] if same else {}, rt))
-        except Exception as e:  # any rank's failure must reach the others: see _agree
+        except Exception as e:  # any rank's failure must reach the others: see agree_on_problems
             plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
-        _agree(plan, f"cannot load {path}", group)
+        agree_on_problems(plan, f"cannot load {path}", group)
         with torch.no_grad():
             for copy in plan.copies:
                 copy()
@@ -243,7 +244,7 @@ def load(
     )
 
 
-def _plan_params(plan: _Plan, index: Index, slots: list[ParamSlot]) -> bool:
+def _plan_params(plan: LoadPlan, index: Index, slots: list[ParamSlot]) -> bool:
     """Plan the parameters' copies; return whether the names match."""
     stored = {n: r for n, r in index.tensors.items() if r.kind == "param"}
     match = _check_names(plan, "parameters", [s.name for s in slots], stored)
@@ -271,7 +272,7 @@ def _plan_params(plan: _Plan, index: Index, slots: list[ParamSlot]) -> bool:
     return match
 
 
-def _plan_buffers(plan: _Plan, index: Index, buffers: dict[str, torch.Tensor]) -> None:
+def _plan_buffers(plan: LoadPlan, index: Index, buffers: dict[str, torch.Tensor]) -> None:
     stored = {n: r for n, r in index.tensors.items() if r.kind == "buffer"}
     _check_names(plan, "buffers", list(buffers), stored)
     for name, b in buffers.items():
@@ -289,12 +290,12 @@ def _plan_buffers(plan: _Plan, index: Index, buffers: dict[str, torch.Tensor]) -
 
 
 def _check_names(
-    plan: _Plan, what: str, expected: list[str], stored: dict[str, TensorRecord]
+    plan: LoadPlan, what: str, expected: list[str], stored: dict[str, TensorRecord]
 ) -> bool:
     missing = [n for n in expected if n not in stored]
     unexpected = [n for n in stored if n not in set(expected)]
     if missing:
-        plan.problem(f"{what} missing from the checkpoint: {_names(missing)}")
+        plan.problem(f"{what} missing from the checkpoint: {listed(missing)}")
     if unexpected:
         plan.problem(
             f"{what} in the checkpoint that the model does not have: {_located(unexpected, stored)}"
@@ -303,7 +304,7 @@ def _check_names(
 
 
 def _check_record(
-    plan: _Plan, rec: TensorRecord, shape: tuple[int, ...], dtype: torch.dtype
+    plan: LoadPlan, rec: TensorRecord, shape: tuple[int, ...], dtype: torch.dtype
 ) -> bool:
     if rec.shape != shape:
         plan.problem(
@@ -338,7 +339,7 @@ def _saved_optimizers(index: Index, count: int) -> list[dict]:
 
 
 def _plan_optimizer(
-    plan: _Plan,
+    plan: LoadPlan,
     index: Index,
     optimizer: torch.optim.Optimizer,
     saved: dict,
@@ -360,8 +361,8 @@ def _plan_optimizer(
         if set(names) != set(g["params"]):
             plan.problem(
                 f"param group {gi} differs: only in the checkpoint "
-                f"{_names(sorted(set(g['params']) - set(names)))}; "
-                f"only in this optimizer {_names(sorted(set(names) - set(g['params'])))}"
+                f"{listed(sorted(set(g['params']) - set(names)))}; "
+                f"only in this optimizer {listed(sorted(set(names) - set(g['params'])))}"
             )
     by_name = {s.name: s for s in slots}
     group_of = {n: g for names, g in zip(groups, optimizer.param_groups) for n in names}
@@ -414,7 +415,7 @@ def _plan_optimizer(
     return install
 
 
-def _plan_rng(plan: _Plan, entry: dict[str, str]) -> Callable[[], None]:
+def _plan_rng(plan: LoadPlan, entry: dict[str, str]) -> Callable[[], None]:
     """Read this rank's saved RNG states (the CUDA one only where CUDA is available)."""
     states: dict[str, torch.Tensor] = {}
     handle = plan.open(entry["file"])
@@ -432,7 +433,7 @@ def _plan_rng(plan: _Plan, entry: dict[str, str]) -> Callable[[], None]:
     return install
 
 
-def _plan_residuals(plan: _Plan, entry: dict[str, str], rt) -> Callable[[], None]:
+def _plan_residuals(plan: LoadPlan, entry: dict[str, str], rt) -> Callable[[], None]:
     """Read this rank's saved error feedback residuals; installing replaces the model's
     (a unit without a saved one starts from zero)."""
     saved: dict[tuple[int, str], torch.Tensor] = {}
@@ -496,7 +497,7 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
     checkpoint does not hold stays as initialised). A peft model takes the checkpoint of the
     model it adapts; its adapters keep their values. A checkpoint that matches nothing raises.
     """
-    rt = runtime_of(model, "load_full")
+    rt = idle_world_runtime(model, "load_full")
     finish_pending(model)
     group = rt.mesh.whole
     path = Path(path)
@@ -504,7 +505,7 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
     missing: list[str] = []
     extra: list[str] = []
     with ExitStack() as stack:
-        plan = _Plan(stack, None, None)
+        plan = LoadPlan(stack, None, None)
         try:
             where = _standard_files(path)
             renamed = pretrained.model_names(model, list(where)) if hf else {n: n for n in where}
@@ -529,14 +530,14 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
                 plan.rows(stored, shape, None, [Piece(str(where[stored]), 0, rows)], lo, hi, dest)
             extra = sorted(set(where) - used)
             if hf and not used:
-                plan.problem(f"{path} holds none of the model's tensors: it has {_names(extra)}")
+                plan.problem(f"{path} holds none of the model's tensors: it has {listed(extra)}")
             if missing and not hf:
-                plan.problem(f"tensors missing from {path}: {_names(missing)}")
+                plan.problem(f"tensors missing from {path}: {listed(missing)}")
             if extra and not hf:
-                plan.problem(f"{path} has tensors the model does not: {_names(extra)}")
-        except Exception as e:  # any rank's failure must reach the others: see _agree
+                plan.problem(f"{path} has tensors the model does not: {listed(extra)}")
+        except Exception as e:  # any rank's failure must reach the others: see agree_on_problems
             plan.problem(str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
-        _agree(plan, f"cannot load {path}", group)
+        agree_on_problems(plan, f"cannot load {path}", group)
         with torch.no_grad():
             for copy in plan.copies:
                 copy()
@@ -545,12 +546,12 @@ def load_full(model: nn.Module, path: str | os.PathLike) -> None:
         missing = [n for n in missing if n not in adapters]  # a base checkpoint has none
         if missing:
             warnings.warn(
-                f"{path} has no values for {_names(missing)}: they keep their initial values, "
+                f"{path} has no values for {listed(missing)}: they keep their initial values, "
                 "as transformers' from_pretrained leaves them newly initialised",
                 stacklevel=2,
             )
         if extra:
             warnings.warn(
-                f"{path} has tensors the model does not use, ignored: {_names(extra)}",
+                f"{path} has tensors the model does not use, ignored: {listed(extra)}",
                 stacklevel=2,
             )

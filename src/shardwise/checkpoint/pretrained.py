@@ -32,7 +32,7 @@ from . import files
 from .conversion import file_names, split_files, write_weight_map
 from .index import CheckpointError
 from .saving import finish_pending
-from .state import param_slots, persistent_buffers, runtime_of
+from .state import idle_world_runtime, param_slots, persistent_buffers
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's name for an adapter's weights
 _PEFT_PREFIX = "base_model.model."  # where a peft model keeps the model it adapts
@@ -74,7 +74,7 @@ def save_pretrained(
     ``AutoModelForCausalLM.from_pretrained(path)`` loads the base and attaches the adapter.
     Returns ``path``. A failure on rank 0 raises CheckpointError on every rank.
     """
-    rt = runtime_of(model, "save_pretrained")
+    rt = idle_world_runtime(model, "save_pretrained")
     finish_pending(model)
     path = Path(path)
     if dtype is not None and not dtype.is_floating_point:
@@ -96,14 +96,10 @@ def save_pretrained(
     problem = ""
     if rt.mesh.first_replica():  # hybrid sharding: the other replicas hold the same rows
         with flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext():
-            if dist.get_rank() == 0:  # runtime_of checked that the model's mesh spans the world
+            if dist.get_rank() == 0:  # idle_world_runtime checked that the model's mesh spans the world
                 problem = _write(model, path, layout, tensors, feed)
             feed.drain()
-    outcome = [problem]
-    if dist.get_world_size() > 1:
-        C.blocking("broadcast", "save_pretrained outcome", dist.broadcast_object_list, outcome, src=0)
-    if outcome[0]:
-        raise CheckpointError(f"save_pretrained to {path} failed on rank 0: {outcome[0]}")
+    C.agree(problem, "save_pretrained outcome", lambda m: CheckpointError(f"save_pretrained to {path} failed: {m}"))
     return path
 
 

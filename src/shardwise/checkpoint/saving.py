@@ -25,7 +25,6 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,13 @@ from . import commit, files
 from .index import CheckpointError, Index, Piece, TensorRecord, rank_file, storable_hyper
 from .state import (
     ParamSlot,
+    idle_world_runtime,
     is_per_element,
     optimizer_names,
     optimizers,
     param_slots,
     per_element_keys,
     persistent_buffers,
-    runtime_of,
 )
 
 
@@ -159,7 +158,7 @@ def save(
     and ``load`` reads back; every rank writes its rows in parallel. It holds no RNG states
     and is written synchronously.
     """
-    rt = runtime_of(model, "save")
+    rt = idle_world_runtime(model, "save")
     finish_pending(model)
     if format == "dcp":
         if async_:
@@ -194,9 +193,7 @@ def save(
         return handle
     saves = _saves(model)
     if saves.group is None:  # collective, on the main thread of every rank alike
-        saves.group = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=groups.DEFAULT_TIMEOUT_S)
-        )
+        saves.group = groups.background_group()
     work = functools.partial(_write_and_commit, snap, tmp, path, saves.group)
     handle._thread = threading.Thread(
         target=handle._run, args=(work,), name=f"shardwise-save:{path.name}"
@@ -323,20 +320,21 @@ def _write_and_commit(snap: _Snapshot, tmp: Path, path: Path, group) -> None:
     except Exception as e:
         report.error = f"writing {report.file} failed: {type(e).__name__}: {e}"
     snap.entries = []  # drop the host copies now
-    outcome: list = [None]
     try:
         reports = [None] * world if rank == 0 else None
         C.blocking("gather", "checkpoint save reports", dist.gather_object, report, reports, dst=0, group=group)
-        if rank == 0:
-            outcome[0] = _commit(reports, tmp, path)
-        C.blocking("broadcast", "checkpoint save outcome", dist.broadcast_object_list, outcome, src=0, group=group)
+        problem = _commit(reports, tmp, path) if rank == 0 else ""
+        C.agree(
+            problem, "checkpoint save outcome",
+            lambda m: CheckpointError(f"save to {path} failed, nothing was committed: {m}"), group=group,
+        )
+    except CheckpointError:
+        raise
     except RuntimeError as e:  # a rank died or stalled: the collective timed out
         raise CheckpointError(
             f"save to {path} did not complete: another rank failed or died during it ({e}). "
             f"Nothing was committed; the previous checkpoints are untouched and {tmp} is not one."
         ) from e
-    if outcome[0]:
-        raise CheckpointError(f"save to {path} failed, nothing was committed: {outcome[0]}")
 
 
 def _commit(reports: list[_Report], tmp: Path, path: Path) -> str:

@@ -50,7 +50,7 @@ class ParamSlot:
         return t.view(self.held[1] - self.held[0], *self.shape[1:])
 
 
-def runtime_of(model: nn.Module, what: str) -> Runtime:
+def idle_world_runtime(model: nn.Module, what: str) -> Runtime:
     """The model's runtime, idle, its mesh spanning the whole world (sharded over it, or
     hybrid: sharded within groups and replicated across them)."""
     rt = runtimes.runtime_of(model)

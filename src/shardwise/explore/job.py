@@ -7,10 +7,11 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 from collections import deque
 from collections.abc import Callable
+
+from ..addresses import free_port
 
 ERROR_LINES = 12  # the tail of a rank's stderr kept to show why it died
 
@@ -18,12 +19,6 @@ ERROR_LINES = 12  # the tail of a rank's stderr kept to show why it died
 # its stderr) when one exits
 OnMessage = Callable[[int, dict], None]
 OnExit = Callable[[int, int, str], None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -38,7 +33,7 @@ class Job:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         for rank in range(self.ranks):
             env = dict(
                 os.environ, RANK=str(rank), WORLD_SIZE=str(self.ranks), LOCAL_RANK=str(rank),

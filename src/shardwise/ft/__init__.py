@@ -10,9 +10,11 @@
 
 Each torchrun job is one replica group; a lost group is dropped while the others go on, and a
 group that comes back takes a live group's state rank for rank, from memory
-(docs/fault_tolerance.md). Modules: replicas (the quorum, the average across groups, the
-commit), heal (what a rank serves and takes), lighthouse (the quorum server, ``shardwise
-lighthouse``), errors.
+(docs/fault_tolerance.md). Modules: replicas (``Torchft``: the settings and what users
+call), steps (one step on a rank: the quorum, the heal, the vote), quorum (the records a step
+hands over and the torchft manager's calls), place (where a rank stands in torchft's view of
+its job), heal (what a rank serves and takes), transport (how a heal travels), lighthouse (the
+quorum server, ``shardwise lighthouse``), diloco and topk (DiLoCo rounds), errors.
 """
 
 import os
@@ -26,7 +28,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"shardwise.ft needs torchft: pip install 'shardwise[ft]' ({e})") from e
 
 from .errors import CannotHeal, FaultToleranceError, LighthouseLost, LighthouseUnreachable
-from .replicas import FaultTolerantOptimizer, Heal, Torchft
+from .replicas import FaultTolerantOptimizer, Torchft
+from .steps import Heal
 
 __all__ = [
     "Torchft",

@@ -87,6 +87,7 @@ manager, which here serves shardwise's per-rank snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,7 @@ from .errors import FaultToleranceError
 from .topk import TopK2Bit
 
 if TYPE_CHECKING:
+    from .heal import Snapshot
     from .replicas import Torchft
 
 
@@ -146,7 +148,6 @@ class DiLoCo:
             self.sitting_out = True  # (no inner steps yet: FaultToleranceError after max_failed_steps)
             self._issue()
             self._started = self._apply()
-        self.ft._in_step = True  # (the units' average across groups is skipped: Torchft.all_reduce)
         self.inner.zero_grad(set_to_none)
 
     def step(self, closure=None) -> bool:
@@ -154,7 +155,6 @@ class DiLoCo:
             raise ShardwiseError("a DiLoCo step takes no closure")
         if not self._started:
             raise ShardwiseError("opt.step() without opt.zero_grad() first")
-        self.ft._in_step = False
         self.inner.step()
         self.local += 1
         if self.local == self.every - self.delay:
@@ -177,7 +177,7 @@ class DiLoCo:
         pseudo-gradient, issued (``_apply`` waits for it)."""
         ft = self.ft
         ft.begin_step()  # the quorum: a group behind heals here (took)
-        state = ft._manager.current_step() if ft._manager is not None else ft._told["state"]["step"]
+        state = ft._manager.current_step() if ft._manager is not None else ft._quorum.step
         piece = self.pieces[(state - 1) % len(self.pieces)]  # (the same on every group of the quorum)
         residual_before = self._residual(piece) if self.codec is not None else None
         flat = self._pseudo_gradient(piece)
@@ -206,7 +206,6 @@ class DiLoCo:
             ft._place.share(work, flat).wait()
         elif work is not None:
             work.wait()
-        ft._in_step = True  # (the torchft step _issue began, across the delay's inner steps)
         committed = ft.commit()
         if not committed and self.codec is not None:  # (the residual as the sync found it)
             self._set_residual(residual_before, piece)
@@ -309,7 +308,7 @@ class DiLoCo:
         ft = self.ft
         if ft._manager is None:
             return None
-        mine = 0.0 if self.sitting_out else ft._told["weight"]
+        mine = 0.0 if self.sitting_out else ft._quorum.weight
         seen = torch.tensor([mine], dtype=torch.float64)
         ft._manager.allreduce(seen).wait()
         self._mismatch, self._anyone = self._check_global(), seen.item() > 0
@@ -334,16 +333,13 @@ class DiLoCo:
         return None
 
     # --- healing (Torchft's snapshot and take)
-    def snapshot(self, served: dict) -> dict:
+    def snapshot(self, served: Snapshot) -> Snapshot:
         """What a joining rank takes: ``served`` (ft/heal.py's snapshot) with the global
         parameters in place of this group's inner ones."""
-        outer = served["optimizers"][-1]  # (the globals travel once, as the parameters)
+        outer = served.optimizers[-1]  # (the globals travel once, as the parameters)
         outer = {**outer, "state": {n: {k: v for k, v in st.items() if k != "global"} for n, st in outer["state"].items()}}
-        return {
-            **served,
-            "params": {self.names[id(p)]: b for p, b in zip(self.params, self._globals(self.params), strict=True)},
-            "optimizers": [*served["optimizers"][:-1], outer],
-        }
+        params = {self.names[id(p)]: b for p, b in zip(self.params, self._globals(self.params), strict=True)}
+        return dataclasses.replace(served, params=params, optimizers=[*served.optimizers[:-1], outer])
 
     def took(self) -> None:
         """After a heal (the parameters are the live group's global ones): keep them as the

@@ -17,6 +17,8 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
+from ..addresses import route_to
+
 DEFAULT_PORT = 29510
 HEARTBEAT_TIMEOUT_MS = 2000
 JOIN_TIMEOUT_MS = 1000
@@ -47,13 +49,8 @@ def reachable(address: str, timeout: float = 1.0) -> bool:
 
 
 def local_address(address: str) -> str:
-    """This machine's address on the route to the lighthouse (what other groups can reach
-    too, where one address serves them all): the source address the kernel picks for it."""
-    host, port = host_port(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))  # UDP: nothing is sent, a route is chosen
-        return s.getsockname()[0]
+    """This machine's address on the route to the lighthouse (what other groups can reach too)."""
+    return route_to(*host_port(address))
 
 
 def _bracketed(host: str) -> str:

@@ -25,7 +25,7 @@ from ..checkpoint import load, load_full, save, save_pretrained
 from ..checkpoint.commit import is_complete
 from ..errors import ShardwiseError
 from ..groups import init
-from ..options import ShardOptions, is_sharded, shard_with
+from ..options import ShardOptions, is_sharded, mixed_precision_of, shard_with
 from ..runtime import runtime_of
 from .accelerator import ShardwiseAccelerator
 
@@ -83,14 +83,8 @@ class Trainer(transformers.Trainer):
             _check_precision(model, args)
         else:
             options = shard_options or ShardOptions()
-            precision = options.mixed_precision
-            if args.bf16:
-                if precision not in (None, "bf16"):
-                    raise ShardwiseError(
-                        f"TrainingArguments(bf16=True) and ShardOptions(mixed_precision={precision!r}) "
-                        "disagree: set one of them"
-                    )
-                precision = "bf16"
+            flag = "TrainingArguments(bf16=True)" if args.bf16 else None
+            precision = mixed_precision_of(options.mixed_precision, flag, "bf16" if args.bf16 else None, owner="ShardOptions")
             shard_with(model, options, mixed_precision=precision)
         super().__init__(model=model, args=args, **kwargs)
 

@@ -39,12 +39,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from .. import collectives as C
 from .. import groups
 from ..api import no_sync
 from ..checkpoint import load, save
 from ..checkpoint.commit import is_complete
 from ..errors import ShardwiseError
-from ..options import ShardOptions, is_sharded, shard_with
+from ..options import ShardOptions, is_sharded, mixed_precision_of, shard_with
 from ..policies import MixedPrecision, Sharding
 from .precision import ShardwisePrecision, plugin_of
 
@@ -139,16 +140,11 @@ class ShardwiseStrategy(ParallelStrategy):
 
     def _mixed_precision(self) -> MixedPrecision | str | None:
         """shard()'s mixed precision: the strategy's option, or else Trainer's ``precision=``."""
-        from_flag = self.precision_plugin.mixed_precision
-        given = self.options.mixed_precision
-        if given is None:
-            return from_flag
-        if self.precision_plugin.precision != "32-true" and MixedPrecision.of(given) != MixedPrecision.of(from_flag):
-            raise ShardwiseError(
-                f"ShardwiseStrategy(mixed_precision={given!r}) and Trainer(precision="
-                f"{self.precision_plugin.precision!r}) disagree: set one of them"
-            )
-        return given
+        flag = self.precision_plugin.precision
+        return mixed_precision_of(
+            self.options.mixed_precision, None if flag == "32-true" else f"Trainer(precision={flag!r})",
+            self.precision_plugin.mixed_precision, owner="ShardwiseStrategy",
+        )
 
     # --- devices, ranks, launch
     @property
@@ -253,16 +249,14 @@ class ShardwiseStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if groups.backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        devices = {"device_ids": [self.root_device.index]} if groups.backend() == "nccl" else {}
+        C.blocking("barrier", f"Lightning barrier {name or ''}".rstrip(), dist.barrier, **devices)
 
     def broadcast(self, obj, src: int = 0):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        C.blocking("broadcast", "Lightning broadcast", dist.broadcast_object_list, box, src)
         return box[0]
 
     def reduce(self, tensor, group=None, reduce_op="mean"):

@@ -1,9 +1,9 @@
 """The allocation logs the tracer replays (Note [memory categories] in trace.py), and the
 planner reads: every allocation and free, as (time, block, signed bytes, time watched).
 
-On CPU, torch's profiler with memory profiling and no activity (``_Allocations``): the CPU
+On CPU, torch's profiler with memory profiling and no activity (``Allocations``): the CPU
 allocator reports every allocation and free from C++, so no Python runs per operator. On fake
-tensors (the planner's), a dispatch mode keeps the same log by hand (``_FakeAllocations``).
+tensors (the planner's), a dispatch mode keeps the same log by hand (``FakeAllocations``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from torch._C._profiler import (
 from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime import _tensors
+from ..runtime import flat_tensors
 
 
-class _Allocations:
+class Allocations:
     """Every allocation and free of the CPU allocator on the entering thread, while active.
 
     Torch's profiler with ``profile_memory`` and no activity to record: no operator callbacks,
@@ -119,8 +119,8 @@ class _Allocations:
         return out
 
 
-class _FakeAllocations(TorchDispatchMode):
-    """The allocation log of a run on fake tensors (the planner's), in ``_Allocations``' format.
+class FakeAllocations(TorchDispatchMode):
+    """The allocation log of a run on fake tensors (the planner's), in ``Allocations``' format.
 
     Fake tensors allocate nothing, so the log is kept by hand: a dispatch mode notes each
     storage an operator creates (an output whose storage none of its inputs holds), a weak
@@ -193,7 +193,7 @@ class _FakeAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = None
-        for t in _tensors(out, []):
+        for t in flat_tensors(out, []):
             if t.layout != torch.strided:
                 continue
             st = t.untyped_storage()
@@ -201,7 +201,7 @@ class _FakeAllocations(TorchDispatchMode):
                 self._note(st)  # an output written in place may have grown (out=, resize_)
                 continue
             if inputs is None:
-                inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs), []) if a.layout == torch.strided}
+                inputs = {id(a.untyped_storage()) for a in flat_tensors((args, kwargs), []) if a.layout == torch.strided}
             if id(st) not in inputs:  # else a view, or in place: no new memory
                 self._note(st, _real_nbytes(func, args, t))
         return out

@@ -17,13 +17,13 @@ too. Note [memory categories]: parameter shards, gathered parameters, gradients 
 state are read from the tensors themselves (storage sizes of each unit's buffers, of every
 ``.grad`` and of the optimizer's state); activations are everything else that the traced code
 allocated and still holds. On CPU, torch's profiler runs with memory profiling and no activity
-(``allocations._Allocations``): the CPU allocator reports every allocation and free from C++,
+(``allocations.Allocations``): the CPU allocator reports every allocation and free from C++,
 so no Python runs per operator; when the trace ends, that log is replayed to give the bytes
 alive at each sample and the highest total between samples, and activations are those bytes
 minus the category storages that the trace allocated (told apart by address). On CUDA: the
 caching allocator's ``memory_allocated`` minus the categories, and its peak counter between
 samples, which the tracer resets. Under the planner (a fake world, fake tensors): the same
-replay of a log that a dispatch mode keeps (``allocations._FakeAllocations``). It includes
+replay of a log that a dispatch mode keeps (``allocations.FakeAllocations``). It includes
 autograd's saved tensors and short-lived temporaries such as activation gradients. Tensors
 allocated before the trace began count only where they belong to a category (e.g. shards,
 existing optimizer state).
@@ -44,12 +44,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import collectives as C
 from .. import events, groups
 from ..collectives import comm_stats
-from ..runtime import Phase, _tensors, runtime_of
+from ..runtime import Phase, flat_tensors, runtime_of
 from ..unit import ShardedUnit, Unit
 from .accounting import dtype_name
-from .allocations import _Allocations, _FakeAllocations
+from .allocations import Allocations, FakeAllocations
 
 FORMAT = "shardwise-trace"
 VERSION = 1
@@ -64,7 +65,7 @@ Storages = dict[int, tuple[str, torch.UntypedStorage, str]]
 def _in_flight(pending) -> list[torch.Tensor]:
     """The tensors a gather in flight holds: its receive rows, or, encoded on the wire, the
     messages it sends and receives (its rows are decoded only at the wait)."""
-    return [] if pending is None else _tensors((pending.result, pending.buffers), [])
+    return [] if pending is None else flat_tensors((pending.result, pending.buffers), [])
 
 
 def _add(out: Storages, category: str, t: torch.Tensor | None) -> None:
@@ -243,7 +244,7 @@ class Trace:
         self._fake = dist.get_backend() == "fake"
         # Note [memory categories]: on CUDA the allocator's counters, on CPU its log
         self._log = (
-            _FakeAllocations() if self._fake else _Allocations() if self._device.type != "cuda" else None
+            FakeAllocations() if self._fake else Allocations() if self._device.type != "cuda" else None
         )
         self._pending: list = []  # CPU samples, completed from the log at the end
         self._handles = []
@@ -253,7 +254,7 @@ class Trace:
     # --- recording
     def __enter__(self) -> Trace:
         if dist.get_world_size() > 1 and not self._fake:
-            dist.barrier()
+            C.blocking("barrier", "trace start", dist.barrier)
         self._t0 = time.perf_counter()
         self._comm0 = comm_stats()
         self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward, prepend=True))
@@ -338,7 +339,7 @@ class Trace:
             p = getattr(self.units[unit], "_gather" if name == "gather_issue" else "_reduce", None)
             if p is not None:
                 self._flight[id(p)] = (name.split("_")[0], unit, p)
-                if self._log is not None:  # (see allocations._Allocations.watch_buffers)
+                if self._log is not None:  # (see allocations.Allocations.watch_buffers)
                     self._log.watch_buffers(_in_flight(p))
         self._poll(rel)
         self._sample(t)
@@ -391,7 +392,7 @@ class Trace:
         world = dist.get_world_size()
         ranks = [None] * world
         if world > 1 and not self._fake:
-            dist.all_gather_object(ranks, mine)
+            C.blocking("all_gather", "trace results", dist.all_gather_object, ranks, mine)
         else:
             ranks = [mine]
         mesh = self.runtime.mesh

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..observer.trace import when
-from ..policies import Settings, Sharding
+from ..policies import Recompute, Settings, Sharding
 from ..wrap import Policy
 
 
@@ -135,7 +135,7 @@ def estimate_of(
         world_size=data["world_size"],
         mixed_precision=precision_name,
         cpu_offload=any(offloaded),
-        activation_checkpointing=checkpointing or any(c.checkpoint != "none" for _, c in settings.units),
+        activation_checkpointing=checkpointing or any(c.checkpoint is not Recompute.NONE for _, c in settings.units),
         units=tuple(
             UnitRow(u["name"], u["params"], u["shard_bytes"], u["gathered_bytes"], tuple(map(tuple, u.get("owned", ()))))
             for u in data["units"]

@@ -25,7 +25,7 @@ import functools
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from ..api import shard
 from ..build import select_units
 from ..errors import ShardwiseError
 from ..observer.accounting import theory
-from ..observer.allocations import _FakeAllocations
+from ..observer.allocations import FakeAllocations
 from ..observer.trace import trace
 from ..placement import Placement
 from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
@@ -48,41 +48,13 @@ from . import budget as search
 from . import repeats as repeats_
 from .costs import rates as measured_rates
 from .estimate import ONE_MEMORY, Estimate, UnitRow, estimate_of
-from .render import render
+from .render import Plan
 
 __all__ = ["ONE_MEMORY", "HYBRID", "STRATEGIES", "Estimate", "Plan", "UnitRow", "parse_bytes", "plan"]
 
 STRATEGIES = tuple(s.value for s in Sharding if not s.hybrid)  # side by side unless one is named
 HYBRID = tuple(s.value for s in Sharding if s.hybrid)  # planned when named, with shard_size
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-@dataclass
-class Plan:
-    """Estimates side by side; with a budget, the search's path (planner/budget.py), the
-    fastest configuration on it that fits, and why."""
-
-    estimates: list[Estimate]
-    title: str
-    parameters: int = 0  # the model's, exact (each counted once)
-    budget: int | None = None
-    choice: Estimate | None = None
-    reason: str = ""
-    one_memory: bool = False  # a CPU run: host and device are one memory (Note [one memory])
-    path: list[search.Step] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)  # moves that lowered nothing
-
-    @property
-    def settings(self) -> Settings:
-        """The chosen configuration, as ``shard(model, plan=...)`` applies it."""
-        if self.choice is None or self.choice.settings is None:
-            raise ShardwiseError(
-                f"this plan chose nothing to apply: {self.reason or 'it was made without budget='}"
-            )
-        return self.choice.settings
-
-    def __str__(self) -> str:
-        return render(self)
-
 
 # --- the model on the meta device
 def _meta_factory(model: nn.Module | Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -202,7 +174,7 @@ def _run(
     if blocks is not None:
         job.repeats.keep(model, blocks)
     with FakeTensorMode(allow_non_fake_inputs=True):  # (the meta model's tensors are not fake)
-        log = _FakeAllocations()
+        log = FakeAllocations()
         log.start()
         try:
             shard(
@@ -347,21 +319,17 @@ def _one_plan_for_all(plan_here: Callable[..., Plan]) -> Callable[..., Plan]:
     def plan(*args, **kwargs) -> Plan:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return plan_here(*args, **kwargs)
-        box: list = [None]
-        failure = None
+        chosen, problem, failure = None, "", None
         if dist.get_rank() == 0:
             try:
-                box[0] = (True, plan_here(*args, **kwargs))
+                chosen = plan_here(*args, **kwargs)
             except Exception as exc:
-                failure = exc
-                box[0] = (False, f"{type(exc).__name__}: {exc}")
-        collectives.blocking("broadcast", "plan", dist.broadcast_object_list, box, src=0)
-        ok, value = box[0]
-        if failure is not None:
-            raise failure
-        if not ok:
-            raise ShardwiseError(f"plan() failed on rank 0, which plans for every rank: {value}")
-        return value
+                failure, problem = exc, f"{type(exc).__name__}: {exc}"
+
+        def error(message: str) -> Exception:  # rank 0 raises its own error
+            return failure or ShardwiseError(f"plan() failed on rank 0, which plans for every rank: {message}")
+
+        return collectives.agree(problem, "plan", error, value=chosen)
 
     return plan
 

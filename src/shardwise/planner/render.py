@@ -1,14 +1,42 @@
-"""A plan as text (the table ``shardwise plan`` prints) and as data (its ``--json``)."""
+"""The planner's result (``Plan``), as text (the table ``shardwise plan`` prints) and as data
+(its ``--json``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from ..errors import ShardwiseError
+from ..policies import Settings
 from . import budget as search
 from .estimate import ONE_MEMORY, Estimate
 
-if TYPE_CHECKING:
-    from .plan import Plan
+
+@dataclass
+class Plan:
+    """Estimates side by side; with a budget, the search's path (planner/budget.py), the
+    fastest configuration on it that fits, and why."""
+
+    estimates: list[Estimate]
+    title: str
+    parameters: int = 0  # the model's, exact (each counted once)
+    budget: int | None = None
+    choice: Estimate | None = None
+    reason: str = ""
+    one_memory: bool = False  # a CPU run: host and device are one memory (Note [one memory])
+    path: list[search.Step] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # moves that lowered nothing
+
+    @property
+    def settings(self) -> Settings:
+        """The chosen configuration, as ``shard(model, plan=...)`` applies it."""
+        if self.choice is None or self.choice.settings is None:
+            raise ShardwiseError(
+                f"this plan chose nothing to apply: {self.reason or 'it was made without budget='}"
+            )
+        return self.choice.settings
+
+    def __str__(self) -> str:
+        return render(self)
 
 
 def _fmt(n: int) -> str:

@@ -40,7 +40,7 @@ from ..checkpoint.pretrained import (
     is_transformers,
     merged_names,
 )
-from ..checkpoint.state import owned_rows, runtime_of
+from ..checkpoint.state import idle_world_runtime, owned_rows
 from ..errors import ShardwiseError
 from ..runtime import Runtime
 from ..unit import ShardedUnit, Unit
@@ -78,7 +78,7 @@ class Export:
 def exports(model: nn.Module, dtype: torch.dtype | None) -> list[Export]:
     """Every tensor the engine gets, unit by unit, then the buffers (floating-point ones in
     ``dtype``; None keeps each parameter's)."""
-    rt = runtime_of(model, "VLLMSync")
+    rt = idle_world_runtime(model, "VLLMSync")
     tensors = list(exported_tensors(model, rt, dtype))
     if not is_peft(model):
         parts = checkpoint_parts(model, tensors) if is_transformers(model) else {}

@@ -10,13 +10,13 @@ engine, through vLLM's weight-transfer API.
 
 from __future__ import annotations
 
-import socket
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import addresses
 from .. import collectives as C
 from ..errors import ShardwiseError
 from .clients import EngineError, LLMClient, ServerClient, Watched
@@ -245,10 +245,7 @@ def _same_everywhere(settings: tuple) -> None:
 
 def _route_to(url: str) -> str:
     """This machine's address on the route to ``url``'s host (no packet is sent)."""
-    host = urlparse(url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+    try:
+        return addresses.route_to(urlparse(url).hostname or "127.0.0.1")
+    except OSError:
+        return "127.0.0.1"

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import collectives as C
-from ..checkpoint.state import runtime_of
+from ..checkpoint.state import idle_world_runtime
 from ..runtime import require_idle
 from . import wire
 from .clients import EngineError
@@ -49,7 +49,7 @@ class ShardwiseSource(WeightSource):
     gathered once and its tensors are handed out whole, in the wire dtype."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = torch.bfloat16):
-        self.rt = runtime_of(model, "VLLMSync")
+        self.rt = idle_world_runtime(model, "VLLMSync")
         self.exports = exports(model, dtype)
         self.groups = by_unit(self.exports)
 
