@@ -170,7 +170,8 @@ KNOWN_CIRCLES = {
                "shardwise.checkpoint.native_conversion", "shardwise.checkpoint.pretrained"}),
     frozenset({"shardwise.ft.diloco", "shardwise.ft.replicas"}),  # DiLoCo's Torchft type (issue 41)
     frozenset({"shardwise.rl.trainer", "shardwise.rl.transport"}),  # issue 39's transport registry
-    frozenset({"shardwise.bench.vllm_link", "shardwise.bench.vllm_push"}),  # issue 39
+    # issue 39: the push bench dispatches to its --nodes 2 and --engines modes, which reuse its parts
+    frozenset({"shardwise.bench.vllm_engines", "shardwise.bench.vllm_link", "shardwise.bench.vllm_push"}),
 }
 
 

@@ -36,8 +36,8 @@ def engine_urls(cfg) -> list[str]:
 
 def run(model, cfg, argv: list[str]) -> None:
     """The parent: the engines, then the trainer job; every server stopped at the end."""
-    from .harness import _without_nproc
-    from .vllm_link import _stop, _wait_for, serve_command, wait_healthy
+    from .netns import without_nproc
+    from .vllm_link import serve_command, stop_process, wait_for_trainer, wait_healthy
 
     work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-engines-"))
     model.save_pretrained(work / "start")
@@ -54,11 +54,11 @@ def run(model, cfg, argv: list[str]) -> None:
         for server, url in zip(servers, engine_urls(cfg)):
             wait_healthy(url, check=lambda s=server: _exited(s, work))
         trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.nproc),
-                   "-m", "shardwise", "bench", "--vllm", *_without_nproc(argv)]
-        code = _wait_for(subprocess.Popen(trainer, env=threads, start_new_session=True), servers, work)
+                   "-m", "shardwise", "bench", "--vllm", *without_nproc(argv)]
+        code = wait_for_trainer(subprocess.Popen(trainer, env=threads, start_new_session=True), servers, work)
     finally:
         for s in reversed(servers):
-            _stop(s)
+            stop_process(s)
         if not code:  # kept where the trainer failed: the engines' logs
             shutil.rmtree(work, ignore_errors=True)
     if code:
@@ -77,7 +77,7 @@ def run_rank(cfg) -> dict:
     import shardwise.rl
 
     from .vllm_link import SERVE_TIMEOUT_S
-    from .vllm_push import _say, _slowest, build_model
+    from .vllm_push import build_model, say, slowest
 
     shardwise.init(timeout=SERVE_TIMEOUT_S)
     model = build_model(cfg)
@@ -86,7 +86,7 @@ def run_rank(cfg) -> dict:
     shardwise.shard(model, wrap=shardwise.wrap.auto(model))
     urls = engine_urls(cfg)
     for k in range(1, cfg.engines + 1):
-        _say(f"pushing to {k} engine(s)")
+        say(f"pushing to {k} engine(s)")
         engines = (urls[0] if k == 1 else urls[:k]) if dist.get_rank() == 0 else None
         sync = shardwise.rl.VLLMSync(model, engines, bucket_bytes=cfg.bucket_mb << 20)
         sync.push()  # warm: staging pages resident, engine buffers allocated
@@ -95,8 +95,8 @@ def run_rank(cfg) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             sync.push()
-            times.append(_slowest(time.perf_counter() - t0))
-            pauses.append(_slowest(sync.pause_seconds))
+            times.append(slowest(time.perf_counter() - t0))
+            pauses.append(slowest(sync.pause_seconds))
         sync.close()
         out["runs"].append({"engines": k, "seconds": statistics.median(times), "all_seconds": times,
                             "pause_seconds": statistics.median(pauses), "wire_bytes": _wire_bytes(sync)})
@@ -109,13 +109,13 @@ def _wire_bytes(sync) -> int:
 
 def report(cfg, r: dict) -> None:
     """The table (printed, ``bench_vllm_engines.md``) and every number (``.json``)."""
-    from .vllm_push import _vllm_version
+    from .vllm_push import vllm_version
 
     one = r["runs"][0]["seconds"]
     lines = [
         f"# shardwise bench --vllm --engines {cfg.engines}: {r['size']} Llama ({r['params'] / 1e6:.1f}M parameters, "
         f"{r['runs'][0]['wire_bytes'] / 2**20:.1f} MiB in bf16), {r['world']} trainer ranks, `vllm serve` "
-        f"{_vllm_version()} engines on CPU, shm",
+        f"{vllm_version()} engines on CPU, shm",
         "",
         "| engines | push s | x one engine | engine pause s |",
         "|---|---|---|---|",

@@ -89,17 +89,17 @@ def run(model, cfg, argv: list[str]) -> None:
                 procs.append(link.run(1, serve_command(work / "start", cfg.port), log=work / "serve.log",
                                       env=serve_env, session=True))
                 procs.append(link.run(0, trainer, env=threads, session=True))
-                code = _wait_for(procs[-1], procs[:-1], work)
+                code = wait_for_trainer(procs[-1], procs[:-1], work)
             finally:
                 for p in reversed(procs):
-                    _stop(p)
+                    stop_process(p)
     finally:
         if not code:  # kept where the trainer failed: the engine's log
             shutil.rmtree(work, ignore_errors=True)
     if code:
         raise SystemExit(f"shardwise bench --vllm --nodes 2: the trainer job exited {code} (the engine's log: {work})")
 
-def _wait_for(trainer: subprocess.Popen, servers: list[subprocess.Popen], work: Path) -> int:
+def wait_for_trainer(trainer: subprocess.Popen, servers: list[subprocess.Popen], work: Path) -> int:
     """The trainer job's exit code; a server that exits first ends the run with its log."""
     while trainer.poll() is None:
         for s in servers:
@@ -110,7 +110,7 @@ def _wait_for(trainer: subprocess.Popen, servers: list[subprocess.Popen], work: 
     return trainer.returncode
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     """Stop a process started in a session of its own and its children: SIGTERM (a server
     shuts its engine down), then SIGKILL to whatever of the session is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

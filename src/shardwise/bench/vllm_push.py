@@ -158,17 +158,17 @@ class PeakRss:
     """This process's peak resident set while inside, sampled every millisecond (Linux)."""
 
     def __enter__(self):
-        self.peak, self._stop = _rss(), threading.Event()
+        self.peak, self.stop = _rss(), threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.001):
+        while not self.stop.wait(0.001):
             self.peak = max(self.peak, _rss())
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
+        self.stop.set()
         self._thread.join()
         self.peak = max(self.peak, _rss())
 
@@ -178,7 +178,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _slowest(seconds: float) -> float:
+def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
@@ -229,7 +229,7 @@ def run_rank(cfg: Config) -> dict:
         out["floor_bytes_per_s"] = _floor_bandwidth(cfg, out["wire_bytes"]) if rank == 0 else 0.0
         ways = (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta))
         for way, measure in ways if cfg.nodes == 1 else (ways[0], ways[2]):
-            _say(f"measuring {way}")
+            say(f"measuring {way}")
             out[way] = measure(model, engine, cfg, base, work)
         return out
     finally:
@@ -254,12 +254,12 @@ def _engine(cfg: Config, model, work: Path):
     if cfg.nodes == 2:
         from . import vllm_link
 
-        _say("waiting for the engine on node B")
+        say("waiting for the engine on node B")
         url = vllm_link.engine_url(cfg.port)
         vllm_link.wait_healthy(url)
         return url
     model.save_pretrained(work / "start")
-    _say("starting the engine")
+    say("starting the engine")
     from vllm import LLM
 
     return LLM(model=str(work / "start"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
@@ -273,7 +273,7 @@ def _floor_bandwidth(cfg: Config, nbytes: int) -> float:
         return copy_bandwidth(nbytes)
     from .netns import ADDRESSES, send_rate
 
-    _say("measuring the link")
+    say("measuring the link")
     return send_rate(ADDRESSES[1], cfg.port + 1, nbytes)
 
 
@@ -298,7 +298,7 @@ def _largest_unit(model) -> int:
                for u in rt.units)
 
 
-def _say(what: str) -> None:
+def say(what: str) -> None:
     if dist.get_rank() == 0:
         print(f"[bench --vllm {time.strftime('%H:%M:%S')}] {what}", flush=True)
 
@@ -315,8 +315,8 @@ def _measure_pushes(model, llm, cfg: Config, base: int, work: Path) -> dict:
         with PeakRss() as mem:
             t0 = time.perf_counter()
             sync.push()
-            times.append(_slowest(time.perf_counter() - t0))
-        pauses.append(_slowest(sync.pause_seconds))
+            times.append(slowest(time.perf_counter() - t0))
+        pauses.append(slowest(sync.pause_seconds))
         peak = max(peak, mem.peak - base)
     sync.close()
     engine = (shardwise.comm_stats()["weight_sync"].wait_seconds - waited) / cfg.pushes
@@ -342,7 +342,7 @@ def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
             del full
             dist.barrier()
-            times.append(_slowest(time.perf_counter() - t0))
+            times.append(slowest(time.perf_counter() - t0))
         peak = max(peak, mem.peak - base)
         if dist.get_rank() == 0:
             shutil.rmtree(work / f"naive-{i}", ignore_errors=True)
@@ -373,8 +373,8 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         sync.push()
-        times.append(_slowest(time.perf_counter() - t0))
-        pauses.append(_slowest(sync.pause_seconds))
+        times.append(slowest(time.perf_counter() - t0))
+        pauses.append(slowest(sync.pause_seconds))
         after = shardwise.comm_stats()["weight_sync"]
         if dist.get_rank() == 0:
             ratios.append((after.bytes - before.bytes) / (after.payload_bytes - before.payload_bytes))
@@ -405,7 +405,7 @@ def report(cfg: Config, r: dict) -> None:
     ]
     lines = [
         f"# shardwise bench --vllm: {r['size']} Llama ({r['params'] / 1e6:.1f}M parameters, "
-        f"{r['wire_bytes'] / mib:.1f} MiB in bf16), {r['world']} trainer ranks, vLLM {_vllm_version()} on CPU"
+        f"{r['wire_bytes'] / mib:.1f} MiB in bf16), {r['world']} trainer ranks, vLLM {vllm_version()} on CPU"
         + ("" if cfg.nodes == 1 else f", on a second node across a {cfg.link} link"),
         "",
         "| way | push s | engine pause s | extra peak memory (largest rank) | x floor | x naive |",
@@ -448,7 +448,7 @@ def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
     ]
 
 
-def _vllm_version() -> str:
+def vllm_version() -> str:
     try:
         import vllm
     except ImportError:  # the report's own tests run without the [vllm] extra
