@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import shardwise
+from shardwise.explore.machine import choose
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [
@@ -181,6 +182,11 @@ def test_bad_settings_show_a_message(server, browser):
     page.click("#reset")
     page.wait_for_function("document.getElementById('message').textContent !== ''")
     assert "ranks must be a whole number from 1 to 4, got 7" in text(page, "#message")
+    page.fill("#set-ranks", "2")  # hybrid needs 4 ranks: 2 shard groups of 2
+    page.select_option("#set-strategy", "hybrid_shard")
+    page.click("#reset")
+    page.wait_for_function("document.getElementById('message').textContent.includes('hybrid_shard')")
+    assert "it needs ranks = 4 (2 replicas x 2 shards), got ranks = 2" in text(page, "#message")
     page.evaluate("send({cmd: 'speed', delay_ms: -5})")
     page.wait_for_function("document.getElementById('message').textContent.startsWith('speed')")
     assert "from 0 to 2000, got -5" in text(page, "#message")
@@ -201,16 +207,17 @@ def test_a_dead_rank_is_shown_and_reset_brings_the_job_back(server, browser):
     assert "rank 1 is dead" in text(page, "#ranks") and "exited with code -9" in text(page, "#dead-1")
     assert "dead" in page.eval_on_selector_all("#grid td.event", "e => e.map(x => x.textContent)")
     assert proc.poll() is None  # the server lives on
-    # what-if settings, applied at the Reset that restarts the job
-    page.fill("#set-ranks", "2")
-    page.select_option("#set-strategy", "shard_grad_op")
+    # what-if settings, applied at the Reset that restarts the job: hybrid over 2 x 2 ranks
+    page.fill("#set-ranks", "4")
+    page.select_option("#set-strategy", "hybrid_shard_grad_op")
     page.select_option("#set-comm", "bf16")
     page.click("#reset")
     wait_text(page, "#status", "ready", START_S)
     new = page.evaluate("state.ranks.map(r => r.pid)")
     assert not set(new) & set(old) and set(new) == children(proc.pid)
     assert all(gone(p) for p in old)
-    assert page.evaluate("state.settings.strategy") == "shard_grad_op"
+    assert page.evaluate("state.settings.strategy") == "hybrid_shard_grad_op"
+    assert text(page, "#machine") == choose(4).describe()  # cpu (gloo) without 4 GPUs
     assert "after stage 1" in text(page, "#plan")  # the prediction, before training
     page.click("#step")
     wait_text(page, "#counter", "Step 1 / 12")
@@ -225,7 +232,7 @@ def test_a_dead_rank_is_shown_and_reset_brings_the_job_back(server, browser):
 def test_closing_the_server_leaves_no_process(server):
     proc, _ = server
     ranks = children(proc.pid)
-    assert len(ranks) == 2
+    assert len(ranks) == 4  # (the job the Reset above started)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
     deadline = time.monotonic() + 10

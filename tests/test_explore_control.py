@@ -38,7 +38,7 @@ def ready(ex: Explorer, seed: int = 7) -> None:
     for r in range(len(ex.ranks)):
         message = {"type": "ready", "rank": r, "seed": seed, "units": ["a", "<root>"], "cells": [{}, {}], "plan": {}}
         if r == 0:
-            message.update(points=[[0.0, 0.0, 1]], grid={"classes": [1], "confidence": [0.5], "accuracy": 0.3})
+            message.update(points=[[0.0, 0.0, 1]], grid={"classes": [1], "confidence": [0.5], "accuracy": 0.3}, machine="cpu (gloo)")
         ex._on_message(r, message)
 
 
@@ -60,7 +60,7 @@ def test_train_asks_for_stages_until_the_run_is_complete():
         ready(ex, seed=3)  # a run a later Reset replaced: ignored
         assert ex.status == "starting"
         ready(ex)
-        assert ex.status == "ready" and ex.points == [[0.0, 0.0, 1]]
+        assert ex.status == "ready" and ex.points == [[0.0, 0.0, 1]] and ex.state()["machine"] == "cpu (gloo)"
         assert await ex.command({"cmd": "train"}) is None
         for k in range(1, STAGES + 1):
             assert ex.job.sent.count({"cmd": "stage"}) == k  # one at a time, after every rank's report

@@ -27,10 +27,11 @@ class Sink:
 
 def explorer_stages(strategy: str, seed: int, stages: int):
     import shardwise
+    from shardwise.explore.machine import CPU
     from shardwise.explore.rank import Run
 
     sink = Sink()
-    run = Run(Settings(ranks=dist.get_world_size(), strategy=strategy), seed, sink)
+    run = Run(Settings(ranks=dist.get_world_size(), strategy=strategy), seed, sink, CPU)
     for _ in range(stages):
         run.run_stage()
     state = {k: v.clone() for k, v in shardwise.full_state_dict(run.model).items()}
@@ -57,10 +58,10 @@ def reference(seed: int, steps: int):
     return losses, model.state_dict(), accuracy
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
-def test_run_matches_one_process(pools, strategy):
+@pytest.mark.parametrize(("strategy", "ranks"), [("full_shard", 2), ("no_shard", 2), ("hybrid_shard", 4)])
+def test_run_matches_one_process(pools, strategy, ranks):
     stages, seed = 1, 11
-    (messages, state), (messages1, _) = pools(2).run(explorer_stages, strategy, seed, stages)
+    (messages, state), (messages1, _), *_ = pools(ranks).run(explorer_stages, strategy, seed, stages)
     ref_losses, ref_state, ref_accuracy = reference(seed, stages * STEPS_PER_STAGE)
     reports = [m for m in messages if m["type"] == "stage"]
     assert [m["stage"] for m in reports] == [1]
@@ -76,7 +77,7 @@ def test_run_matches_one_process(pools, strategy):
     assert "classes" not in next(m for m in messages1 if m["type"] == "stage")  # rank 0 sends it
     # memory against DDP: full_shard holds half of each kind on 2 ranks (padding aside)
     held = reports[-1]["held"]
-    if strategy == "full_shard":
+    if strategy != "no_shard":  # full_shard over 2 ranks, or hybrid: shard groups of 2 (x 2 replicas)
         assert held["params"] == pytest.approx(held["ddp_params"] / 2, rel=0.02)
         assert held["optimizer"] == pytest.approx(held["ddp_optimizer"] / 2, rel=0.02)
     else:
@@ -129,7 +130,9 @@ def test_trace_streams_every_recorded_event(pools):
         ({"ranks": 0}, "ranks must be a whole number from 1 to 4, got 0"),
         ({"ranks": 5}, "ranks must be a whole number from 1 to 4, got 5"),
         ({"ranks": "2"}, "ranks must be a whole number"),
-        ({"strategy": "zero9"}, "strategy must be one of full_shard, shard_grad_op, no_shard; got 'zero9'"),
+        ({"strategy": "zero9"}, "strategy must be one of full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_grad_op; got 'zero9'"),
+        ({"strategy": "hybrid_shard"}, "it needs ranks = 4 (2 replicas x 2 shards), got ranks = 2"),
+        ({"strategy": "hybrid_shard_grad_op", "ranks": 3}, "it needs ranks = 4 (2 replicas x 2 shards), got ranks = 3"),
         ({"comm": "fp4"}, "comm must be one of"),
         ({"cpu_offload": "yes"}, "cpu_offload must be true or false"),
         ({"strategy": "no_shard", "cpu_offload": True}, "cpu_offload needs a sharded strategy"),
@@ -148,3 +151,21 @@ def test_points_come_from_the_seed():
     c, _ = task.points(6)
     assert torch.equal(a, b) and torch.equal(la, lb) and not torch.allclose(a, c)
     assert a.shape == (task.POINTS, 2) and la.bincount().tolist() == [task.POINTS // task.CLASSES] * task.CLASSES
+
+
+@pytest.mark.parametrize(
+    ("available", "gpus", "ranks", "chosen"),
+    [
+        (True, 4, 4, ("cuda", "nccl")),
+        (True, 2, 2, ("cuda", "nccl")),
+        (True, 2, 3, ("cpu", "gloo")),  # fewer GPUs than ranks: all on the CPU, never shared GPUs
+        (False, 0, 1, ("cpu", "gloo")),
+    ],
+)
+def test_the_machine_follows_the_gpus(monkeypatch, available, gpus, ranks, chosen):
+    from shardwise.explore import machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    m = machine.choose(ranks)
+    assert (m.device, m.backend) == chosen

@@ -602,21 +602,31 @@ def test_blocks_alike_planned_from_a_few_equal_the_whole(monkeypatch, build, kw)
         assert a == w, (a.label, a, w)
 
 
-def test_budget_search_planned_from_a_few_blocks_equals_the_whole(monkeypatch):
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_budget_search_planned_from_a_few_blocks_equals_the_whole(monkeypatch, backend):
     """The budget search on blocks alike (its profile of FLOPs and saved activations taken on a
     few blocks, its configurations planned from a few): the same path, step times and peaks
     byte for byte, as planning every configuration whole gives (to the smallest peak, a budget
-    that fits there only; the refinement, whole-model plans either way, left out)."""
+    that fits there only; the refinement, whole-model plans either way, left out). On two
+    memories (nccl) the path offloads the blocks' state and activations, the root's not: every
+    configuration is still planned from a few blocks (no fallback to the whole)."""
     from shardwise.planner import repeats
 
     with torch.device("meta"):
         wrap = shardwise.wrap.auto(many_blocks())
-    plan = lambda budget: P.plan(many_blocks, world_size=4, wrap=wrap, batch_size=2, backend="gloo", budget=budget)  # noqa: E731
+    plan = lambda budget: P.plan(many_blocks, world_size=4, wrap=wrap, batch_size=2, backend=backend, budget=budget)  # noqa: E731
     monkeypatch.setattr(search, "refine", lambda steps, *a, **k: steps)
     monkeypatch.setattr(repeats, "FROM", 4)
     budget = search.needs(plan(1).path[-1])
+    reused = []
+    monkeypatch.setattr(
+        repeats, "plan_alike", lambda *a, _f=repeats.plan_alike: reused.append(_f(*a)) or reused[-1]
+    )
     few = plan(budget)
+    assert reused and all(e is not None for e in reused)
     monkeypatch.setattr(repeats, "FROM", 10**6)
     whole = plan(budget)
     assert [(s.why, s.seconds, s.estimate) for s in few.path] == [(s.why, s.seconds, s.estimate) for s in whole.path]
     assert len(few.path) >= 3 and few.choice is few.path[-1].estimate
+    if backend == "nccl":  # (some units' state offloaded, not all: the case that was not affine)
+        assert any(len({c.offload for _, c in s.settings.units}) == 2 for s in few.path)

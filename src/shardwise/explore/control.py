@@ -50,6 +50,7 @@ class Explorer:
         self.points: list = []
         self.grid: dict[str, Any] | None = None
         self.plan: dict[str, int] | None = None
+        self.machine = ""  # where the ranks run, as rank 0 reports it
         self._stage_reports: dict[int, dict] = {}
 
     # --- what every page sees
@@ -59,7 +60,7 @@ class Explorer:
             "stage": self.stage, "stages": STAGES, "steps_per_stage": STEPS_PER_STAGE, "delay_ms": self.delay_ms,
             "paused": self.paused, "training": self.training, "units": self.units, "ranks": self.ranks,
             "loss": self.loss, "points": self.points, "grid": self.grid,
-            "plan": self.plan,
+            "plan": self.plan, "machine": self.machine,
         }
 
     async def _publish(self) -> None:
@@ -182,6 +183,7 @@ class Explorer:
         self.units = message["units"]
         if rank == 0:
             self.points, self.grid, self.plan = message["points"], message["grid"], message["plan"]
+            self.machine = message["machine"]
         if all(x["ready"] for x in self.ranks):
             self.status = "ready"
             self._send(self.state())

@@ -22,8 +22,9 @@ OnExit = Callable[[int, int, str], None]
 
 
 class Job:
-    """``ranks`` processes of ``python -m shardwise.explore.rank`` forming one Gloo group on
-    this machine. Their stdin closing (this server gone, however it ended) makes them exit."""
+    """``ranks`` processes of ``python -m shardwise.explore.rank`` forming one process group on
+    this machine (NCCL on one GPU each where there are enough, else Gloo: machine.py). Their
+    stdin closing (this server gone, however it ended) makes them exit."""
 
     def __init__(self, ranks: int, on_message: OnMessage, on_exit: OnExit):
         self.ranks = ranks

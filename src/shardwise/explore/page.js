@@ -54,6 +54,7 @@ function draw() {
   $("seed").textContent = s.seed;
   $("status").textContent = s.status;
   $("nranks").textContent = s.ranks.length;
+  $("machine").textContent = s.machine || "-";
   $("speed").value = s.delay_ms;
   $("delay").textContent = s.delay_ms ? `${s.delay_ms} ms after each event` : "no delay";
   if (s.seed !== formSeed) {

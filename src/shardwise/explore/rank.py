@@ -22,10 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise
+from shardwise import groups
 from shardwise.observer.accounting import held_bytes, theory_bytes_per_step
 from shardwise.observer.trace import summary, trace
 
 from . import task
+from .machine import Machine, choose
 from .settings import STEPS_PER_STAGE, Settings
 
 # a paused run waits inside a step, its peers inside a collective: no collective timeout may
@@ -76,19 +78,22 @@ class Control:
 
 
 class Run:
-    """One run: the model sharded with the settings, its optimizer, this rank's points."""
+    """One run on ``machine`` (the process group's): the model sharded with the settings, its
+    optimizer, this rank's points."""
 
-    def __init__(self, settings: Settings, seed: int, control: Control):
-        self.settings, self.seed, self.control = settings, seed, control
+    def __init__(self, settings: Settings, seed: int, control: Control, machine: Machine):
+        self.settings, self.seed, self.control, self.machine = settings, seed, control, machine
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        device = groups.device()  # cuda:LOCAL_RANK under NCCL, else the CPU
         torch.manual_seed(seed)
-        self.model = task.Net()
+        self.model = task.Net()  # built on the CPU (the same values everywhere), placed by shard()
         policy = shardwise.wrap.by_class(task.Block)
         shardwise.shard(self.model, wrap=policy, **settings.shard_options())
         if settings.activation_checkpointing:
             shardwise.checkpoint_activations(self.model, policy)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
-        self.xy, self.label = task.points(seed)
+        self.xy, self.label = (t.to(device) for t in task.points(seed))
+        self.plane = torch.cat([task.grid().to(device), self.xy])  # where the model view asks
         self.mine = slice(self.rank, None, self.world)  # this rank's share of the global batch
         self.stage = 0
         self.step = 0
@@ -102,6 +107,7 @@ class Run:
         regions = self.regions()  # (collective: every rank runs the forward)
         message = {
             "type": "ready", "rank": self.rank, "seed": self.seed, "settings": self.settings.as_dict(),
+            "machine": self.machine.describe(),
             "units": self.units, "cells": self.cells, "plan": prediction,
         }
         if self.rank == 0:
@@ -121,7 +127,7 @@ class Run:
             inputs=lambda: (torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)),
             loss=lambda model, xy, label: F.cross_entropy(model(xy), label),
             optimizer=lambda params: torch.optim.Adam(params, lr=LR),
-            backend="gloo",
+            backend=self.machine.backend,
             **s.shard_options(),
         )
         e = p.estimates[0]
@@ -143,7 +149,7 @@ class Run:
                 losses.append(loss.detach().float())
         mean = torch.stack(losses)
         dist.all_reduce(mean)  # the loss of the global batch, step by step
-        mine = next(m for m in summary(t.data) if m["rank"] == self.rank and m["device"] == "cpu")
+        mine = next(m for m in summary(t.data) if m["rank"] == self.rank and m["device"] == self.machine.device)
         sent = sum(v["bytes"] for v in t.data["ranks"][self.rank]["comm"].values())
         message = {
             "type": "stage", "rank": self.rank, "stage": self.stage,
@@ -162,7 +168,7 @@ class Run:
     def regions(self) -> dict[str, Any]:
         """The sharded model's own prediction over the plane, and its accuracy on the points."""
         with torch.no_grad():
-            probs = self.model(torch.cat([task.grid(), self.xy])).float().softmax(-1)
+            probs = self.model(self.plane).float().softmax(-1)
         on_grid, on_points = probs[: task.GRID**2], probs[task.GRID**2 :]
         confidence, classes = on_grid.max(-1)
         return {
@@ -213,12 +219,13 @@ def main() -> None:
     control = Control(sys.stdin, sink)
     rank = int(os.environ["RANK"])
     try:
-        shardwise.init(backend="gloo", timeout=COLLECTIVE_TIMEOUT_S)
+        machine = choose(int(os.environ["WORLD_SIZE"]))
+        shardwise.init(backend=machine.backend, timeout=COLLECTIVE_TIMEOUT_S)
         run = None
         while True:
             cmd = control.commands.get()
             if cmd["cmd"] == "reset":
-                run = Run(Settings.of(cmd["settings"]), int(cmd["seed"]), control)
+                run = Run(Settings.of(cmd["settings"]), int(cmd["seed"]), control, machine)
                 run.ready()
             elif cmd["cmd"] == "stage" and run is not None:
                 run.run_stage()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op")
+HYBRID_SHARD_SIZE = 2  # hybrid strategies: ranks per shard group (4 ranks: 2 replicas x 2 shards)
 PRECISIONS = ("none", "bf16")
 CODECS = ("none", "bf16", "fp8", "int8")
 MAX_RANKS = 4
@@ -17,7 +18,9 @@ STEPS_PER_STAGE = 5
 class Settings:
     """One run's configuration, applied at Reset.
 
-    ranks: rank processes, 1-4. strategy: shardwise's sharding (no_shard is DDP's layout).
+    ranks: rank processes, 1-4. strategy: shardwise's sharding (no_shard is DDP's layout; the
+    hybrid ones shard within groups of HYBRID_SHARD_SIZE ranks and replicate across them, so
+    they need at least two such groups).
     mixed_precision: "bf16" gathers and computes in bfloat16, or "none". cpu_offload: shards,
     gradients and optimizer state in host memory. activation_checkpointing: recompute each
     block's activations in backward. comm: the wire codec of gathers and reductions, or "none".
@@ -39,6 +42,12 @@ class Settings:
         for name in ("cpu_offload", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.hybrid and (self.ranks % HYBRID_SHARD_SIZE or self.ranks < 2 * HYBRID_SHARD_SIZE):
+            raise ValueError(
+                f"{self.strategy} shards within groups of {HYBRID_SHARD_SIZE} ranks and replicates across "
+                f"at least two of them: it needs ranks = {2 * HYBRID_SHARD_SIZE} (2 replicas x {HYBRID_SHARD_SIZE} shards), "
+                f"got ranks = {self.ranks}"
+            )
         if self.cpu_offload and self.strategy == "no_shard":
             raise ValueError("cpu_offload needs a sharded strategy: choose full_shard or shard_grad_op")
 
@@ -50,6 +59,10 @@ class Settings:
             raise ValueError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         return cls(**given)
 
+    @property
+    def hybrid(self) -> bool:
+        return self.strategy.startswith("hybrid")
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -60,6 +73,7 @@ class Settings:
             "mixed_precision": None if self.mixed_precision == "none" else self.mixed_precision,
             "cpu_offload": self.cpu_offload,
             "comm": None if self.comm == "none" else self.comm,
+            **({"shard_size": HYBRID_SHARD_SIZE} if self.hybrid else {}),
         }
 
 

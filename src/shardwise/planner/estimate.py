@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn as nn
+
+from ..api import units
 from ..observer.trace import when
 from ..policies import Recompute, Settings, Sharding
+from ..unit import ShardedUnit
 from ..wrap import Policy
 
 
@@ -114,11 +119,13 @@ def estimate_of(
     share = 0.0  # of the shards' bytes, offloaded
     if split:
         landed = _landed(rank, data["units"], offloaded)
-        # the offloaded units' share of the shards, and of the optimizer state (as large as
-        # the shards it steps, per element)
+        # the offloaded units' shards and optimizer state, to the byte (not a share of the
+        # totals: the optimizer's step counters, one per parameter, are not in proportion to
+        # the shards' bytes, and a share of them is not affine in the blocks alike)
+        held_there = sum(u["shard_bytes"] + u["state_bytes"] for u, o in zip(data["units"], offloaded) if o)
+        state = [held_there + g for g in landed]
         sizes = [u["shard_bytes"] for u in data["units"]]
         share = sum(b for b, o in zip(sizes, offloaded) if o) / max(1, sum(sizes))
-        state = [share * (r["param_shards"] + r["optimizer"]) + g for r, g in zip(rows, landed)]
     # the optimizer step's temporaries are the device's unless all the state steps on the host
     device = [
         r["peak"] - a - h - (r["peak"] - sum(r[c] for c in cats) if share == 1 and s == "optimizer" else 0)
@@ -178,6 +185,17 @@ def _held(rank: dict, host: list[int]) -> list[int]:
             while k < len(times) and times[k] < sample[0]:
                 now, k = host[k], k + 1
             out.append(now)
+    return out
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Each unit's optimizer state in bytes (the state of its shard parameters), by unit name."""
+    out = {}
+    for u in units(model):
+        params = u.shard_params if isinstance(u, ShardedUnit) else u.params
+        out[u.label] = sum(
+            t.nbytes for p in params for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor)
+        )
     return out
 
 

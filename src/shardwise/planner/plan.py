@@ -47,7 +47,7 @@ from ..wrap import Policy
 from . import budget as search
 from . import repeats as repeats_
 from .costs import rates as measured_rates
-from .estimate import ONE_MEMORY, Estimate, UnitRow, estimate_of
+from .estimate import ONE_MEMORY, Estimate, UnitRow, estimate_of, state_bytes
 from .render import Plan
 
 __all__ = ["ONE_MEMORY", "HYBRID", "STRATEGIES", "Estimate", "Plan", "UnitRow", "parse_bytes", "plan"]
@@ -207,6 +207,9 @@ def _run(
                 _step(job, model, opt, scaler)
             finally:
                 events.unlisten(note)
+        state = state_bytes(model, opt)
+    for u in t.data["units"]:
+        u["state_bytes"] = state[u["name"]]
     return t.data, type(opt).__name__, _peak_and_end(entries), host
 
 
