@@ -78,6 +78,14 @@ def build(kind: str, seed: int, lora: bool = False):
     return model
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGTERM when pytest dies, however it dies (a killed
+    run's teardown never stops its servers)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Server:
     """One ``vllm serve`` (its OpenAI server module: the ``vllm`` command needs the package
     named vllm) on a model directory, in a session of its own so that it is stopped whole."""
@@ -100,7 +108,9 @@ class Server:
             "--max-num-seqs", "8", "--weight-transfer-config", '{"backend": "shardwise"}',
         ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent
+            )
 
     def wait(self, timeout: float = 400) -> None:
         from shardwise.bench.vllm_link import wait_healthy
