@@ -370,6 +370,7 @@ def main(cfg: dict) -> None:
 
     import shardwise
     import shardwise.ft
+    from shardwise.ft.quorum import Phase
 
     shardwise.init(timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -404,7 +405,7 @@ def main(cfg: dict) -> None:
         if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
             scaler.step(opt)
             scaler.update()
-            committed = ft._committed  # (the last round's vote)
+            committed = ft._phase is Phase.COMMITTED  # (the last round's vote)
         else:
             committed = opt.step()
         if ft.step % h == 0 or not committed:
