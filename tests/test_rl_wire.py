@@ -282,6 +282,39 @@ def test_an_engine_dtype_shardwise_does_not_send_asks_for_dtype(pool, engine_dty
         assert not declared  # nothing reached the engine
 
 
+def build_with_a_mistake_on_rank_1(mistake: str):
+    """(error type, message) on each rank building ``VLLMSync`` where rank 1 alone got an
+    argument wrong."""
+    import torch.distributed as dist
+
+    import shardwise.rl
+
+    model = make("tied")
+    shardwise.shard(model, wrap=wrap_policy("by_class", "tied"))
+    rank = dist.get_rank()
+    engine = FakeLLM(torch.float32) if rank == 0 or mistake == "engine" else None
+    bucket_bytes = 1024 if rank == 1 and mistake == "bucket_bytes" else 64 << 20
+    try:
+        shardwise.rl.VLLMSync(model, engine, bucket_bytes=bucket_bytes)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    raise AssertionError("VLLMSync took the arguments")
+
+
+@pytest.mark.parametrize("mistake, problem", [
+    ("engine", "rank 1 passed engine=FakeLLM: rank 0 passes the vllm.LLM"),
+    ("bucket_bytes", "bucket_bytes=1024: give at least 64 KiB"),
+])
+def test_a_mistake_on_one_rank_raises_on_every_rank(pool, mistake, problem):
+    """An argument wrong on one rank only raises the same error on every rank at once, not on
+    that rank alone while the others wait in the handshake's collectives."""
+    pytest.importorskip("vllm", reason='needs the vllm extra: pip install -e ".[vllm]"')
+    pool.run(import_trainer_side)
+    results = pool.run(build_with_a_mistake_on_rank_1, mistake)
+    assert [kind for kind, _ in results] == ["ShardwiseError"] * 2, results
+    assert all(message.startswith(problem) for _, message in results), results
+
+
 class RecordingEngine:
     """An engine's control plane that keeps what it is sent: it maps the shared-memory
     buffers at the handshake and decodes every bucket into whole tensors; ``fail_at``: the

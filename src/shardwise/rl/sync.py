@@ -69,19 +69,7 @@ class VLLMSync:
     ):
         if not dist.is_initialized():
             raise ShardwiseError("VLLMSync is collective: call shardwise.init() and shard() first")
-        if transport != "auto" and transport not in TRANSPORTS:
-            raise ShardwiseError(f"transport={transport!r}: choose 'auto' or one of {sorted(TRANSPORTS)}")
-        if (dist.get_rank() == 0) != (engine is not None):
-            raise ShardwiseError(
-                f"rank {dist.get_rank()} passed engine={type(engine).__name__}: rank 0 passes the "
-                "vllm.LLM, the server's URL or a list of URLs, every other rank None"
-            )
-        if bucket_bytes < 1 << 16:
-            raise ShardwiseError(f"bucket_bytes={bucket_bytes}: give at least 64 KiB")
-        if delta and transport != "auto" and not TRANSPORTS[transport].delta:
-            takes = sorted(n for n, t in TRANSPORTS.items() if t.delta)
-            raise ShardwiseError(f"delta=True takes transport {takes} ({transport!r} sends whole tensors)")
-        _same_everywhere((str(dtype), bucket_bytes, transport, delta))
+        _agree_on_arguments(_argument_problem(engine, transport, bucket_bytes, delta), (str(dtype), bucket_bytes, transport, delta))
         self.model, self.delta = model, delta
         self.bucket_bytes, self.address, self.timeout = bucket_bytes, address, timeout
         name, engine_dtype, asked = self._engine_facts(engine, transport, dtype)
@@ -234,13 +222,35 @@ def wire_dtype(requested: torch.dtype | None, engine: str) -> torch.dtype:
     return dtype
 
 
-def _same_everywhere(settings: tuple) -> None:
-    if dist.get_world_size() == 1:
-        return
-    every = [None] * dist.get_world_size()
-    C.blocking("all_gather", "VLLMSync settings", dist.all_gather_object, every, settings)
-    if any(s != every[0] for s in every):
-        raise ShardwiseError(f"VLLMSync was built with different settings on different ranks: {every}")
+def _argument_problem(engine, transport: str, bucket_bytes: int, delta: bool) -> str:
+    """What is wrong with this rank's arguments ("" when nothing)."""
+    if transport != "auto" and transport not in TRANSPORTS:
+        return f"transport={transport!r}: choose 'auto' or one of {sorted(TRANSPORTS)}"
+    if (dist.get_rank() == 0) != (engine is not None):
+        return (
+            f"rank {dist.get_rank()} passed engine={type(engine).__name__}: rank 0 passes the "
+            "vllm.LLM, the server's URL or a list of URLs, every other rank None"
+        )
+    if bucket_bytes < 1 << 16:
+        return f"bucket_bytes={bucket_bytes}: give at least 64 KiB"
+    if delta and transport != "auto" and not TRANSPORTS[transport].delta:
+        takes = sorted(n for n, t in TRANSPORTS.items() if t.delta)
+        return f"delta=True takes transport {takes} ({transport!r} sends whole tensors)"
+    return ""
+
+
+def _agree_on_arguments(problem: str, settings: tuple) -> None:
+    """Every rank's argument problem and settings on every rank, so that a mistake on one rank
+    raises on all of them instead of leaving the others in the handshake's collectives."""
+    every = [(problem, settings)]
+    if dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        C.blocking("all_gather", "VLLMSync arguments", dist.all_gather_object, every, (problem, settings))
+    problems = [p for p, _ in every if p]
+    if problems:
+        raise ShardwiseError(problems[0])
+    if any(s != every[0][1] for _, s in every):
+        raise ShardwiseError(f"VLLMSync was built with different settings on different ranks: {[s for _, s in every]}")
 
 
 def _route_to(url: str) -> str:
