@@ -14,7 +14,6 @@ ratio to one engine's (target <= 1.3x: each engine is fed by a rank of its own).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -22,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
@@ -109,7 +107,7 @@ def _wire_bytes(sync) -> int:
 
 def report(cfg, r: dict) -> None:
     """The table (printed, ``bench_vllm_engines.md``) and every number (``.json``)."""
-    from .vllm_push import vllm_version
+    from .vllm_push import vllm_version, write_report
 
     one = r["runs"][0]["seconds"]
     lines = [
@@ -125,10 +123,5 @@ def report(cfg, r: dict) -> None:
                      f"{run['pause_seconds']:.3f} |")
     worst = max(run["seconds"] / one for run in r["runs"])
     lines += ["", f"- target: a push to several engines <= 1.3x one engine's: {worst:.2f} (median of {cfg.pushes})"]
-    text = "\n".join(lines)
-    print(text)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_vllm_engines.md").write_text(text + "\n")
-    (out / "bench_vllm_engines.json").write_text(json.dumps({"config": asdict(cfg), **r}, indent=1))
+    write_report(cfg, r, lines, "bench_vllm_engines")
 

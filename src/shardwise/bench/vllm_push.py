@@ -416,12 +416,17 @@ def report(cfg: Config, r: dict) -> None:
         paused = f"{pause:.3f}" if pause is not None else ""
         lines.append(f"| {name} | {s:.3f} | {paused} | {mem} | {xf} | {xn} |")
     lines += _notes(cfg, r, floor, allowed)
+    write_report(cfg, r, lines, "bench_vllm")
+
+
+def write_report(cfg, r: dict, lines: list[str], stem: str) -> None:
+    """Print the table and keep it, with the raw figures, as ``<out>/<stem>.md`` and ``.json``."""
     text = "\n".join(lines)
     print(text)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_vllm.md").write_text(text + "\n")
-    (out / "bench_vllm.json").write_text(json.dumps({"config": asdict(cfg), **r}, indent=1))
+    (out / f"{stem}.md").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"config": asdict(cfg), **r}, indent=1))
 
 
 def floor_of(cfg: Config) -> str:
