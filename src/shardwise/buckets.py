@@ -32,7 +32,7 @@ import torch
 
 from . import collectives as C
 from . import events
-from .unit import ShardedUnit, UnitState
+from .unit import Occupancy, ShardedUnit, UnitState
 
 BUCKET_BYTES = 4 << 20  # at most this many gathered bytes per bucket (and per unit bucketed)
 
@@ -106,6 +106,7 @@ class Bucket:
         self.grad_numel = at
         self._rows: C.ScatterRows | None = None
         self._packed = 0
+        self.occupancy = Occupancy()  # its members', which the runtime's counts as one gather
         for u in units:
             u.bucket = self
 
