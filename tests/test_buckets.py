@@ -51,14 +51,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
-def train(bucket_bytes: int | None, strategy: str, precision, orders: list, steps: int = 4):
+def train(bucket_bytes: int | None, strategy: str, precision, orders: list, steps: int = 4, offload: bool = False):
     """SGD steps of ``Blocks`` (one forward order per step from ``orders``, cycled); returns
     per step each shard's gradient, the shards after the step, the buckets' members (by name),
     and the full state dict at the end, with the single-process reference's parameters."""
     torch.manual_seed(0)
     ref = Blocks()
     model = shardwise.shard(
-        copy.deepcopy(ref), wrap=shardwise.wrap.by_class(Block), strategy=strategy, mixed_precision=precision
+        copy.deepcopy(ref), wrap=shardwise.wrap.by_class(Block), strategy=strategy, mixed_precision=precision,
+        cpu_offload=offload,
     )
     rt = model._shardwise
     if bucket_bytes is not None:
@@ -116,11 +117,13 @@ def test_bucketed_equals_alone_fp32(pools, world_size):
     assert alone[0][0][-1][2] == []
 
 
-@pytest.mark.parametrize("strategy,precision", [("shard_grad_op", None), ("full_shard", "bf16")])
-def test_bucketed_equals_alone_other_settings(pools, strategy, precision):
+@pytest.mark.parametrize(
+    "strategy,precision,offload", [("shard_grad_op", None, False), ("full_shard", "bf16", False), ("full_shard", "bf16", True)]
+)
+def test_bucketed_equals_alone_other_settings(pools, strategy, precision, offload):
     tolerance = 1e-5 if precision is None else 2e-2
-    alone = pools(2).run(train, 0, strategy, precision, [ORDER])
-    bucketed = pools(2).run(train, None, strategy, precision, [ORDER])
+    alone = pools(2).run(train, 0, strategy, precision, [ORDER], 4, offload)
+    bucketed = pools(2).run(train, None, strategy, precision, [ORDER], 4, offload)
     _compare(alone, bucketed, tolerance)
     assert len(bucketed[0][0][-1][2]) == 1
 
