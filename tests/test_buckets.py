@@ -220,7 +220,6 @@ def test_unit_called_again_after_a_call_without_gradient_inputs(pools, strategy)
         assert torch.allclose(full[k], ref[k], atol=1e-6, rtol=0), k
 
 
-
 def _eight():
     return Blocks(n=8)
 
@@ -272,7 +271,7 @@ def test_bucket_memory_planned_to_the_byte(pools, monkeypatch, strategy, blocks)
     one unit. Buckets of none, three and all eight blocks."""
     from shardwise.planner import plan as P
 
-    block = 4 * 80  # a block's gathered bytes: 70 parameters padded to rows of 2 ranks, fp32
+    block = 4 * 80  # a block's gathered bytes: its 70 parameters padded to whole rows on 2 ranks, fp32
     monkeypatch.setattr(shardwise.buckets, "BUCKET_BYTES", blocks * block)
     e = P.plan(
         _eight, world_size=2, strategy=strategy, wrap=shardwise.wrap.by_class(Block), inputs=_inputs,
