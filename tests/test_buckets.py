@@ -51,14 +51,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
-def train(bucket_bytes: int | None, strategy: str, precision, orders: list, steps: int = 4):
+def train(bucket_bytes: int | None, strategy: str, precision, orders: list, steps: int = 4, offload: bool = False):
     """SGD steps of ``Blocks`` (one forward order per step from ``orders``, cycled); returns
     per step each shard's gradient, the shards after the step, the buckets' members (by name),
     and the full state dict at the end, with the single-process reference's parameters."""
     torch.manual_seed(0)
     ref = Blocks()
     model = shardwise.shard(
-        copy.deepcopy(ref), wrap=shardwise.wrap.by_class(Block), strategy=strategy, mixed_precision=precision
+        copy.deepcopy(ref), wrap=shardwise.wrap.by_class(Block), strategy=strategy, mixed_precision=precision,
+        cpu_offload=offload,
     )
     rt = model._shardwise
     if bucket_bytes is not None:
@@ -116,11 +117,13 @@ def test_bucketed_equals_alone_fp32(pools, world_size):
     assert alone[0][0][-1][2] == []
 
 
-@pytest.mark.parametrize("strategy,precision", [("shard_grad_op", None), ("full_shard", "bf16")])
-def test_bucketed_equals_alone_other_settings(pools, strategy, precision):
+@pytest.mark.parametrize(
+    "strategy,precision,offload", [("shard_grad_op", None, False), ("full_shard", "bf16", False), ("full_shard", "bf16", True)]
+)
+def test_bucketed_equals_alone_other_settings(pools, strategy, precision, offload):
     tolerance = 1e-5 if precision is None else 2e-2
-    alone = pools(2).run(train, 0, strategy, precision, [ORDER])
-    bucketed = pools(2).run(train, None, strategy, precision, [ORDER])
+    alone = pools(2).run(train, 0, strategy, precision, [ORDER], 4, offload)
+    bucketed = pools(2).run(train, None, strategy, precision, [ORDER], 4, offload)
     _compare(alone, bucketed, tolerance)
     assert len(bucketed[0][0][-1][2]) == 1
 
@@ -199,11 +202,11 @@ def bounded(blocks: int):
 
 def test_bucket_bounds_memory(pools):
     """A bucket holds at most ``bucket_bytes`` of gathered parameters: a cap of three blocks'
-    makes buckets of three (the last of two), and no more than a bucket and a unit are
-    gathered at once."""
+    makes buckets of three (the last of two), and no more than two of them are gathered at
+    once (``max_unsharded``, a bucket counting as one unit; bytes: the test below)."""
     sizes, peak = pools(2).run(bounded, 3)[0]
     assert sizes == [3, 3, 2]
-    assert peak <= 3 + 1
+    assert peak == 2
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
@@ -215,3 +218,71 @@ def test_unit_called_again_after_a_call_without_gradient_inputs(pools, strategy)
     ((_, full, ref),) = pools(1).run(train, None, strategy, None, [twice], steps=2)
     for k in ref:
         assert torch.allclose(full[k], ref[k], atol=1e-6, rtol=0), k
+
+
+def _eight():
+    return Blocks(n=8)
+
+
+def _inputs():
+    return torch.zeros(4, 7), torch.zeros(4, dtype=torch.long)
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def traced_gathered(strategy: str, cap: int):
+    """A real step's most gathered bytes at one moment (the tracer's; the second step: the
+    first makes the buckets) with buckets of at most ``cap`` gathered bytes, the most units
+    gathered at once, and the units' (name, gathered bytes)."""
+    from shardwise.observer import trace as T
+
+    torch.manual_seed(0)
+    model = shardwise.shard(_eight(), wrap=shardwise.wrap.by_class(Block), strategy=strategy)
+    model._shardwise.bucket_bytes = cap
+    opt = _sgd(model.parameters())
+
+    def step():
+        x, y = _inputs()
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with T.trace(model, opt) as t:
+        step()
+    rank, cats = t.data["ranks"][dist.get_rank()], t.data["categories"]
+    gathered = max(m[2 + cats.index("gathered")] for m in rank["memory"] if m[1] == "cpu")
+    sizes = [len(b.units) for b in model._shardwise.buckets]
+    return gathered, model._shardwise.peak_unsharded, sizes, {u["name"]: u["gathered_bytes"] for u in t.data["units"]}
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+@pytest.mark.parametrize("blocks", [3, 8])
+def test_bucket_memory_planned_to_the_byte(pools, monkeypatch, strategy, blocks):
+    """A bucket gathers its members at once and holds its rows until the last has copied its
+    part out: the gathered peak counts the whole bucket, the planner (which runs the same
+    runtime on fake tensors) predicts it to the byte, and ``max_unsharded`` counts a bucket as
+    one unit. Buckets of three blocks and of all eight."""
+    from shardwise.planner import plan as P
+
+    block = 4 * 80  # a block's gathered bytes: its 70 parameters padded to whole rows on 2 ranks, fp32
+    monkeypatch.setattr(shardwise.buckets, "BUCKET_BYTES", blocks * block)
+    e = P.plan(
+        _eight, world_size=2, strategy=strategy, wrap=shardwise.wrap.by_class(Block), inputs=_inputs,
+        loss=_loss, backend="gloo", optimizer=_sgd,
+    ).estimates[0]
+    for gathered, peak_units, sizes, units in pools(2).run(traced_gathered, strategy, blocks * block):
+        assert gathered == e.gathered_peak  # to the byte
+        assert units["blocks.0"] == block and {u.name: u.gathered_bytes for u in e.units} == units
+        assert sizes == {3: [3, 3, 2], 8: [8]}[blocks]
+        if strategy == "full_shard":  # the root, the largest bucket's rows and one member's full buffer, at least
+            assert units["<root>"] + max(sizes) * block + block <= gathered
+            assert peak_units <= 2  # max_unsharded: a bucket counts once
+        else:  # every block is held from forward to backward; the last bucket's rows until its last copy-out
+            assert units["<root>"] + 7 * block + sizes[-1] * block <= gathered

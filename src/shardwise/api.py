@@ -60,7 +60,9 @@ def shard(
     whole parameters on every rank and all-reduces gradients (DDP; without mixed precision the
     gradients are views of a bucket the next step reduces into, as with DDP's
     ``gradient_as_bucket_view``: clone one to keep it). ``max_unsharded`` bounds
-    how many units (besides the root) full_shard keeps gathered at once, prefetch included.
+    how many units (besides the root) full_shard keeps gathered at once, prefetch included;
+    consecutive small units that share one gather (a bucket of units, at most 4 MiB) count
+    as one.
 
     mixed_precision: "bf16" / "fp16" (16-bit gather and compute, fp32 gradient reduction) or a
     ``MixedPrecision``; shards and optimizer state stay in the parameters' dtype (fp16 needs a

@@ -14,11 +14,18 @@ out when it is waited for; a reduction lays each member's gradient rows side by 
 one reduce-scatter once every trainable member has packed its own. The arithmetic is the same
 as each unit's own collectives (a reduce-scatter sums element by element), so results are
 bitwise those of unbucketed units. Memory stays bounded by the bucket: its gathered rows are
-held until its last member copies its part out.
+held until its last member copies its part out, and the prefetch limit (``max_unsharded``)
+counts the bucket as one unit (``Bucket.occupancy``: the runtime's ``Occupancy`` sees one
+gather).
 
-Only units on a Gloo group of several ranks, without codecs, offload, replicas or
-whole-parameter placement are bucketed: the paths where the shared collective is the one a
-unit would issue itself, as rows (Note [Gloo gather and reduce-scatter]). On NCCL a small
+Only units on a Gloo group of several ranks, without codecs, replicas or whole-parameter
+placement are bucketed: the paths where the shared collective is the one a unit would issue
+itself, as rows (Note [Gloo gather and reduce-scatter]). Offloaded units (on Gloo the shards
+are in the one memory, no side streams) are bucketed with each other: the gather's copy of
+their shards is the copy each would make, and each brings its gradient shard to its master
+copy as it would alone. Hybrid sharding is not: its all-reduce across replicas, over a bucket
+rather than a unit, would sum its elements in other chunks of Gloo's ring, and with three
+replicas or more in another order. On NCCL a small
 collective costs tens of microseconds, not hundreds, and its units keep their own (the
 planner, standing for NCCL, follows).
 """
@@ -32,7 +39,7 @@ import torch
 
 from . import collectives as C
 from . import events
-from .unit import ShardedUnit, UnitState
+from .unit import Occupancy, ShardedUnit, UnitState
 
 BUCKET_BYTES = 4 << 20  # at most this many gathered bytes per bucket (and per unit bucketed)
 
@@ -40,14 +47,14 @@ BUCKET_BYTES = 4 << 20  # at most this many gathered bytes per bucket (and per u
 def key(unit: ShardedUnit) -> tuple | None:
     """What units must share to share a bucket; None where a unit is never bucketed."""
     if (
-        unit.is_root or not C.on_gloo(unit.group) or unit.streams is not None or unit.offloaded
+        unit.is_root or not C.on_gloo(unit.group) or unit.streams is not None
         or unit.replicate is not None or unit.outer is not None or not unit.layout.uniform
         or unit.gather_codec is not None or unit.reduce_codec is not None
     ):
         return None
     return (
         unit.group, unit.device, unit.flat_shard.dtype, unit.compute_dtype, unit.reduce_dtype,
-        unit.reshard_after_forward,
+        unit.reshard_after_forward, unit.offloaded,
     )
 
 
@@ -106,6 +113,7 @@ class Bucket:
         self.grad_numel = at
         self._rows: C.ScatterRows | None = None
         self._packed = 0
+        self.occupancy = Occupancy()  # its members', which the runtime's counts as one gather
         for u in units:
             u.bucket = self
 

@@ -211,7 +211,7 @@ class Runtime:
         self.next_backward: dict[Unit, Unit] = {}
         self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
         self.ran_once: set[Unit] = set()
-        self.peak_unsharded = 0  # most non-root units unsharded or gathering at once
+        self.peak_unsharded = 0  # most non-root units (a bucket counting once) unsharded or gathering at once
         self._tracks_peak = any(u.reshard_after_forward for u in units if not u.is_root)
         self.occupancy = Occupancy()
         for u in units:
@@ -341,7 +341,8 @@ class Runtime:
 
         A unit that reshards after forward (full_shard): at most ``max_unsharded`` such
         non-root units gathered or gathering at once. One kept to backward (shard_grad_op):
-        one gather in flight at a time. A plan may mix both (``UnitConfig``).
+        one gather in flight at a time. A plan may mix both (``UnitConfig``). A bucket of
+        units counts as one unit (``Occupancy``): its one gather holds all its members.
         """
         if nxt is None or nxt.state is not UnitState.SHARDED:
             return

@@ -41,15 +41,27 @@ class UnitState(Enum):
 
 
 class Occupancy:
-    """How many of a runtime's sharded units are gathering, and how many that reshard after
-    forward (the root aside) are not sharded: kept by the units' state changes, so that
-    prefetch reads them in constant time rather than counting every unit at every hook."""
+    """How many of a runtime's gathers (a sharded unit, or a bucket of units: buckets.py) are
+    in flight, and how many of those that reshard after forward (the root aside) are not
+    sharded: kept by the units' state changes, so that prefetch reads them in constant time
+    rather than counting every unit at every hook. A bucket counts once, while any of its
+    members is gathering (not sharded): one collective gathers them all, and its rows are held
+    until the last member has copied its part out; a bucket keeps its members' count in one of
+    its own (``change``)."""
 
     __slots__ = ("gathering", "unsharded")
 
     def __init__(self) -> None:
         self.gathering = 0
         self.unsharded = 0
+
+    def change(self, gathering: int, unsharded: int) -> tuple[int, int]:
+        """Add a member's change to a bucket's count; what that changes in the runtime's (a
+        bucket's first member to leave SHARDED, or its last to come back)."""
+        was_gathering, was_unsharded = self.gathering > 0, self.unsharded > 0
+        self.gathering += gathering
+        self.unsharded += unsharded
+        return (self.gathering > 0) - was_gathering, (self.unsharded > 0) - was_unsharded
 
 
 class NotGathered(torch.Tensor):
@@ -284,9 +296,12 @@ class ShardedUnit(Unit):
     def state(self, new: UnitState) -> None:
         old, occ = self._state, self.occupancy
         if occ is not None and old is not new:
-            occ.gathering += (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
-            if self._counted:
-                occ.unsharded += (old is UnitState.SHARDED) - (new is UnitState.SHARDED)
+            gathering = (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
+            unsharded = (old is UnitState.SHARDED) - (new is UnitState.SHARDED) if self._counted else 0
+            if self.bucket is not None:  # (the bucket counts as one)
+                gathering, unsharded = self.bucket.occupancy.change(gathering, unsharded)
+            occ.gathering += gathering
+            occ.unsharded += unsharded
         self._state = new
 
     def count_in(self, occupancy: Occupancy) -> None:
