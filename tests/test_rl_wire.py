@@ -117,24 +117,37 @@ def test_segments_of_gathered_rows_are_the_parameters():
 
 def gather_every_unit(placement):
     """Every sharded unit gathered into one ``Scratch`` (reused unit after unit), in bf16 and
-    in the master dtype, against the parameters before sharding; then an ``into`` that does
+    in the master dtype, against the parameters before sharding: as the units are (``Live``)
+    and from the copy a push beside training takes (``Frozen``, over its own groups), which
+    keeps the values of when it was taken while the shards change; then an ``into`` that does
     not hold the shard is refused on every rank before anything is sent."""
+    from shardwise.rl.source import Frozen, Live, PushGroups
     from shardwise.runtime import runtime_of
     from shardwise.unit import ShardedUnit
 
     model = make("tied")
     before = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
     shardwise.shard(model, wrap=wrap_policy("by_class", "tied"), placement=placement)
-    units = [u for u in runtime_of(model).units if isinstance(u, ShardedUnit)]
+    rt = runtime_of(model)
+    sharded = [i for i, u in enumerate(rt.units) if isinstance(u, ShardedUnit)]
+    push_groups = PushGroups.create(rt)
     scratch, checked = Scratch(), 0
     for dtype in (torch.bfloat16, torch.float32):
-        for unit in units:
-            exps = [Export(s.name, dtype, s.shape, 0, i) for i, s in enumerate(unit.layout.slots)]
-            gathered = Gathered(unit, exps, scratch)
-            for i, slot in enumerate(unit.layout.slots):
-                assert torch.equal(gathered.full(i), before[slot.name].to(dtype)), slot.name
-                checked += 1
-    unit = units[0]
+        by_unit = [(i, [Export(s.name, dtype, s.shape, i, k) for k, s in enumerate(rt.units[i].layout.slots)])
+                   for i in sharded]
+        frozen = Frozen(rt, by_unit, push_groups)
+        with torch.no_grad():
+            for i in sharded:
+                rt.units[i].flat_shard.add_(1.0)  # as an optimizer step would, after the copy
+        for i, exps in by_unit:
+            for view, shift in ((Live(rt), 1.0), (frozen, 0.0)):
+                gathered = Gathered(view, i, exps, scratch)
+                for k, slot in enumerate(rt.units[i].layout.slots):
+                    assert torch.equal(gathered.full(k), (before[slot.name] + shift).to(dtype)), slot.name
+                    checked += 1
+        for k in before:
+            before[k] += 1.0
+    unit = rt.units[sharded[0]]
     wrong = torch.empty(sum(unit.layout.sizes), dtype=unit.flat_shard.dtype)
     with pytest.raises(ValueError, match="with the shard at element"):
         C.all_gather(unit.flat_shard, unit.group, "test", unit.channel, unit.layout.sizes, into=wrong)

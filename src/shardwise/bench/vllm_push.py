@@ -17,6 +17,8 @@ here, bf16) that loaded the same model. Measured, in this order, on the same eng
   move them with fewer copies.
 - ``delta``: after a full push, AdamW steps at ``--lr`` and a delta push after each: the bytes
   sent against a full push's.
+- ``overlap``: AdamW steps alone, then each with a full ``push(wait=False)`` streaming beside
+  it: the median step time of each, and how long the push still took after its step.
 
 With ``--nodes 2`` (``vllm_link``) the engine is a ``vllm serve`` on another node joined by a
 link shaped to ``--link``, the push goes over the tcp transport, the floor is the bytes over
@@ -30,7 +32,7 @@ during a push above what it held before the first (sampled every millisecond: st
 buffers, gathered units, the naive way's state dict), the largest over ranks. Targets (issue
 31): push <= 1.5x the floor and <= 0.5x naive; extra memory <= one bucket + the largest unit;
 delta bytes <= 0.1x full at lr 1e-5; (issue 39) a delta push's pause <= 0.1x a full push
-across a 100 Mbit/s link. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
+across a 100 Mbit/s link, a step with a push beside it <= 1.15x a step alone. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
 ``--out``.
 """
 
@@ -227,8 +229,9 @@ def run_rank(cfg: Config) -> dict:
         out["largest_unit_bytes"] = _largest_unit(model)
         out["bucket_bytes"] = cfg.bucket_mb << 20
         out["floor_bytes_per_s"] = _floor_bandwidth(cfg, out["wire_bytes"]) if rank == 0 else 0.0
-        ways = (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta))
-        for way, measure in ways if cfg.nodes == 1 else (ways[0], ways[2]):
+        ways = (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta),
+                ("overlap", _measure_overlap))
+        for way, measure in ways if cfg.nodes == 1 else ways[:1] + ways[2:]:
             say(f"measuring {way}")
             out[way] = measure(model, engine, cfg, base, work)
         return out
@@ -352,16 +355,7 @@ def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
 def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
     import shardwise
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
-
-    def step() -> None:
-        ids = torch.randint(0, vocab, (2, 64), generator=g)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
+    step = _stepper(model, cfg)
     for _ in range(cfg.warmup_steps):
         step()
     sync = _sync(model, llm, cfg, delta=True)
@@ -381,6 +375,47 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
     sync.close()
     return {"bytes_ratio": statistics.median(ratios) if ratios else 0.0, "all_ratios": ratios,
             "seconds": statistics.median(times), "pause_seconds": statistics.median(pauses)}
+
+
+def _stepper(model, cfg: Config):
+    """One AdamW training step of ``model`` on a random batch (2 x 64 tokens)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (2, 64), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _measure_overlap(model, llm, cfg: Config, base: int, work: Path) -> dict:
+    """Steps alone, then steps each with a full ``push(wait=False)`` beside it (the slowest
+    rank's step, median of ``--pushes``); and how long each push went on after its step."""
+    step = _stepper(model, cfg)
+    sync = _sync(model, llm, cfg)
+    sync.push()  # warm
+    step()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return slowest(time.perf_counter() - t0)
+
+    alone = [timed(step) for _ in range(cfg.pushes)]
+    beside, after = [], []
+    for _ in range(cfg.pushes):
+        dist.barrier()
+        handle = sync.push(wait=False)
+        beside.append(timed(step))
+        after.append(timed(handle.wait))
+    sync.close()
+    return {"step_seconds": statistics.median(alone), "step_beside_push_seconds": statistics.median(beside),
+            "wait_after_step_seconds": statistics.median(after), "all_alone": alone, "all_beside": beside}
 
 
 def report(cfg: Config, r: dict) -> None:
@@ -435,7 +470,7 @@ def floor_of(cfg: Config) -> str:
 
 
 def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
-    sw, naive, delta = r["shardwise"], r.get("naive"), r["delta"]
+    sw, naive, delta, over = r["shardwise"], r.get("naive"), r["delta"], r["overlap"]
     mib = 2**20
     versus = f"; <= 0.5x naive: {sw['seconds'] / naive['seconds']:.2f}" if naive else " (naive: not measured across a link)"
     return [
@@ -450,6 +485,10 @@ def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
         f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}{versus}; extra memory <= bucket + largest "
         f"unit: {'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}; "
         f"delta's engine pause <= 0.1x a full push's: {delta['pause_seconds'] / sw['seconds']:.2f}",
+        f"- a training step (AdamW, 2 x 64 tokens) alone {over['step_seconds']:.3f} s, with a full "
+        f"push(wait=False) beside it {over['step_beside_push_seconds']:.3f} s "
+        f"({over['step_beside_push_seconds'] / over['step_seconds']:.2f}x; target <= 1.15x); the push then "
+        f"went on {over['wait_after_step_seconds']:.3f} s after the step",
     ]
 
 

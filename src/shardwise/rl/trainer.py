@@ -39,7 +39,7 @@ from ..runtime import require_idle
 from . import wire
 from .clients import EngineError
 from .delta import Patch, Shadow
-from .source import Export, Gathered, Scratch, by_unit, exports, local_rows, readers
+from .source import Export, Gathered, Live, Scratch, by_unit, exports, local_rows
 from .transport import transport
 
 
@@ -59,10 +59,10 @@ class ShardwiseSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.rt.mesh.first_replica():
             return
-        scratch = Scratch()
-        with readers(self.rt), torch.no_grad():
+        scratch, view = Scratch(), Live(self.rt)
+        with view.reading(), torch.no_grad():
             for unit, exps in self.groups:
-                gathered = Gathered(self.rt.units[unit], exps, scratch) if unit is not None else None
+                gathered = Gathered(view, unit, exps, scratch) if unit is not None else None
                 for e in exps:
                     out = torch.empty(e.numel, dtype=e.dtype, device=self.rt.device)
                     segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
@@ -141,31 +141,34 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         joined.result(timeout=info.timeout)
         feed.writer.connected()
 
-    def send_weights(self, version: int = 0) -> None:
+    def send_weights(self, version: int = 0, view: Live | None = None) -> None:
         """Push every weight (full) or what changed (delta, after a full push) to every engine;
         collective. Each engine's update is committed only when every engine got all of it:
-        otherwise every one is aborted."""
+        otherwise every one is aborted. ``view``: what is read (default: the units as they
+        are, between steps; a ``Frozen`` copy on a thread beside training)."""
         src, rt = self.source, self.source.rt
-        require_idle(rt, "VLLMSync.push")
+        if view is None:
+            require_idle(rt, "VLLMSync.push")
+            view = Live(rt)
         delta = self.info.delta and self.shadow.valid
         payload = sum(e.nbytes for e in src.exports)
         senders = [_Sender(f, version, payload, self.info.delta) for f in self.feeds]
         reads = rt.mesh.first_replica()
         problems = []
         try:
-            with readers(rt), torch.no_grad():
+            with view.reading(), torch.no_grad():
                 for unit, exps in src.groups:
-                    if _any_failed(senders):
+                    if _any_failed(senders, view.control):
                         break
                     if not reads:
                         continue
                     if delta:
-                        self._delta_unit(unit, exps, senders)
+                        self._delta_unit(view, unit, exps, senders)
                     else:
-                        self._full_unit(unit, exps, senders)
+                        self._full_unit(view, unit, exps, senders)
                 for sender in senders:
                     sender.guard(sender.drain)
-                if _any_failed(senders):  # every engine's update, or none
+                if _any_failed(senders, view.control):  # every engine's update, or none
                     for sender in senders:
                         sender.guard(_raise, EngineError("another engine's update failed: this one is aborted too"))
                 for sender in senders:
@@ -174,35 +177,33 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
             problems = [p for p in (s.close() for s in senders) if p]
             self.pause_seconds = max((s.paused for s in senders), default=0.0)
         try:
-            _agree("; ".join(problems), f"push of version {version} failed")
+            _agree("; ".join(problems), f"push of version {version} failed", view.control)
         except EngineError:
             self.shadow.reset()  # what the engines hold is unknown: the next push is a full one
             raise
         self.shadow.valid = self.info.delta
 
-    def _full_unit(self, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
-        gathered = Gathered(self.source.rt.units[unit], exps, self.scratch) if unit is not None else None
+    def _full_unit(self, view: Live, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
+        gathered = Gathered(view, unit, exps, self.scratch) if unit is not None else None
         for e in exps:
             for sender in senders:
-                segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
+                segments = gathered.segments(e) if gathered else [(0, view.buffer(e).view(-1))]
                 sender.guard(sender.packer.dense, e.name, e.dtype, e.shape, segments)
             if self.info.delta:
-                rows = local_rows(self.source.rt, e, gathered)
+                rows = local_rows(view, e, gathered)
                 if rows is not None:
                     self.shadow.store(self.index[e.name], rows[1], e.dtype)
 
-    def _delta_unit(self, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
-        rt = self.source.rt
+    def _delta_unit(self, view: Live, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
         gathered = None
         if unit is not None and any(e.lora is not None for e in exps):
-            gathered = Gathered(rt.units[unit], exps, self.scratch)
+            gathered = Gathered(view, unit, exps, self.scratch)
         mine = []
         for e in exps:
-            rows = local_rows(rt, e, gathered)
+            rows = local_rows(view, e, gathered)
             if rows is not None:
                 mine += self.shadow.patch(self.index[e.name], rows[0], rows[1], e.dtype)
-        group = rt.units[unit].group if unit is not None else rt.mesh.shard
-        patches = _gather_patches(mine, group, everywhere=self.info.feeders > 1)
+        patches = _gather_patches(mine, view.group(unit), everywhere=self.info.feeders > 1)
         for p in patches if senders else []:
             e = self.source.exports[p.export]
             for sender in senders:
@@ -349,21 +350,22 @@ def _run_into(fn, future: Future) -> None:
         future.set_exception(e)
 
 
-def _any_failed(senders: list[_Sender]) -> bool:
+def _any_failed(senders: list[_Sender], group=None) -> bool:
     """Every rank learns whether any rank's push to any engine has failed (one small
-    all-reduce)."""
+    all-reduce over ``group``, the world's)."""
     flag = torch.tensor([int(any(s.error is not None for s in senders))], dtype=torch.int32)
     if dist.get_world_size() > 1:
-        C.blocking("all_reduce", "push status", dist.all_reduce, flag, op=dist.ReduceOp.MAX)
+        C.blocking("all_reduce", "push status", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def _agree(problem: str, what: str) -> None:
-    """Every rank's outcome on every rank: ``EngineError`` everywhere, or nothing."""
+def _agree(problem: str, what: str, group=None) -> None:
+    """Every rank's outcome on every rank (``group``: the world's): ``EngineError``
+    everywhere, or nothing."""
     every = [problem]
     if dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
-        C.blocking("all_gather", "push outcome", dist.all_gather_object, every, problem)
+        C.blocking("all_gather", "push outcome", dist.all_gather_object, every, problem, group=group)
     failed = [(rank, p) for rank, p in enumerate(every) if p]
     if failed:
         where = "" if problem else f" (reported by rank {failed[0][0]})"
