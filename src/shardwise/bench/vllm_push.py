@@ -53,17 +53,13 @@ import torch
 import torch.distributed as dist
 
 from .netns import link_rate
+from .vllm_link import KV_CACHE_BYTES, SERVE_TIMEOUT_S, engine_url, wait_healthy
 
 SIZES = {  # hidden, intermediate, layers, heads (head_dim 64 but small: 32), vocab
     "small": (256, 704, 4, 8, 8192),
     "medium": (512, 1408, 8, 8, 16384),
     "large": (1024, 2816, 12, 16, 32000),
 }
-
-# the engine's KV cache: vLLM on CPU otherwise reserves 92% of the machine's memory and refuses
-# to start when other processes hold more than 8%
-KV_CACHE_BYTES = 1 << 30
-
 
 @dataclass
 class Config:
@@ -109,32 +105,6 @@ def parse_args(argv: list[str]) -> Config:
     if cfg.engines > 1 and cfg.nodes > 1:
         p.error("--engines runs its engines on this machine: give it without --nodes 2")
     return cfg
-
-
-def main(argv: list[str]) -> None:
-    cfg = parse_args(argv)
-    if cfg.engines > 1:
-        from . import vllm_engines
-
-        if "RANK" not in os.environ:
-            return vllm_engines.run(build_model(cfg), cfg, argv)
-        result = vllm_engines.run_rank(cfg)
-        if dist.get_rank() == 0:
-            vllm_engines.report(cfg, result)
-        return
-    if "RANK" in os.environ:
-        result = run_rank(cfg)
-        if dist.get_rank() == 0:
-            report(cfg, result)
-        return
-    if cfg.nodes == 2:
-        from . import vllm_link
-
-        return vllm_link.run(build_model(cfg), cfg, argv)
-    from ..groups import launch_local
-
-    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-    report(cfg, launch_local(cfg.nproc, run_rank, cfg)[0])
 
 
 def build_model(cfg: Config):
@@ -209,9 +179,8 @@ def run_rank(cfg: Config) -> dict:
 
     from ..groups import DEFAULT_TIMEOUT_S
     from ..rl.source import exports
-    from . import vllm_link
 
-    shardwise.init(timeout=vllm_link.SERVE_TIMEOUT_S if cfg.nodes == 2 else DEFAULT_TIMEOUT_S)
+    shardwise.init(timeout=SERVE_TIMEOUT_S if cfg.nodes == 2 else DEFAULT_TIMEOUT_S)
     rank = dist.get_rank()
     model = build_model(cfg)
     work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-", dir="/dev/shm"))
@@ -255,11 +224,9 @@ def _engine(cfg: Config, model, work: Path):
     """Rank 0's engine: an in-process ``vllm.LLM`` on this machine, or (``--nodes 2``) the
     URL of the ``vllm serve`` on node B once it answers."""
     if cfg.nodes == 2:
-        from . import vllm_link
-
         say("waiting for the engine on node B")
-        url = vllm_link.engine_url(cfg.port)
-        vllm_link.wait_healthy(url)
+        url = engine_url(cfg.port)
+        wait_healthy(url)
         return url
     model.save_pretrained(work / "start")
     say("starting the engine")

@@ -27,8 +27,8 @@ from ..errors import ShardwiseError
 from ..runtime import require_idle
 from .clients import EngineError, LLMClient, ServerClient, Watched
 from .plugin import register
+from .sender import Feed, ShardwiseSource
 from .source import Frozen, Live, PushGroups
-from .trainer import Feed, ShardwiseSource
 from .transport import TRANSPORTS, VllmOwn
 
 

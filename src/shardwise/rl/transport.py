@@ -46,7 +46,7 @@ class Transport:
                      workers: tuple[int, ...], feeders: int, timeout: float):
         """vLLM's ``TrainerInitInfo`` for the backend this transport runs on (``workers``: of
         each engine this rank feeds; ``feeders``: how many ranks feed one)."""
-        from .trainer import ShardwiseTrainerInitInfo
+        from .init_info import ShardwiseTrainerInitInfo
 
         return ShardwiseTrainerInitInfo(rank=rank, transport=self.name, delta=delta, bucket_bytes=bucket_bytes,
                                         host=host, port=port, workers=workers, feeders=feeders, timeout=timeout)

@@ -21,14 +21,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
-    TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
 )
@@ -36,9 +34,10 @@ from vllm.distributed.weight_transfer.base import (
 from .. import collectives as C
 from ..checkpoint.state import idle_world_runtime
 from ..runtime import require_idle
-from . import wire
+from . import packing
 from .clients import EngineError
 from .delta import Patch, Shadow
+from .init_info import ShardwiseTrainerInitInfo
 from .source import Export, Gathered, Live, Scratch, by_unit, exports, local_rows
 from .transport import transport
 
@@ -69,21 +68,6 @@ class ShardwiseSource(WeightSource):
                     for start, seg in segments:
                         out[start : start + seg.numel()].copy_(seg)
                     yield e.name, out.view(e.shape)
-
-
-@dataclass
-class ShardwiseTrainerInitInfo(TrainerInitInfo):
-    """The trainer's settings for the "shardwise" backend (``rank``: this trainer rank)."""
-
-    backend: ClassVar[str] = "shardwise"
-    transport: str = "shm"  # a shardwise transport's name (transport.TRANSPORTS)
-    delta: bool = False
-    bucket_bytes: int = 64 << 20  # staging memory per engine fed, two alternating halves
-    host: str = ""  # tcp: the address of this rank the engine's workers connect to
-    port: int = 0  # tcp: 0 picks a free port (the i-th engine this rank feeds: port + i)
-    workers: tuple[int, ...] = (1,)  # tcp: the workers (TP x PP x DP) of each engine this rank feeds
-    feeders: int = 1  # how many trainer ranks feed an engine (delta: each gets every change)
-    timeout: float = 60.0
 
 
 @dataclass
@@ -131,7 +115,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         info = self.info
         link = replace(info, port=info.port + i if info.port else 0, workers=info.workers[i])
         feed.writer = transport(info.transport).writer(link)
-        declared = [[e.name, wire.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
+        declared = [[e.name, packing.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
         payload = {**feed.writer.init_info(), "tensors": declared, "delta": info.delta, "timeout": info.timeout}
         # tcp: both sides join the group at once. The engine checks the names first and
         # joins only if they fit; a refused handshake leaves the joining thread to time out.
@@ -235,7 +219,7 @@ class _Sender:
         for i in range(len(self.writer.buffers)):
             self.free.put(i)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push")
-        self.packer = wire.Packer(self.acquire, self.ship)
+        self.packer = packing.Packer(self.acquire, self.ship)
         self.sent = 0
         self.waited = 0.0  # blocked on the engine: a bucket to come back, the finish
         self.started = False
@@ -284,7 +268,7 @@ class _Sender:
         self.t_end = time.perf_counter()
         self.waited += self.t_end - t0
 
-    def acquire(self) -> wire.Bucket:
+    def acquire(self) -> packing.Bucket:
         t0 = time.perf_counter()
         while True:
             if self.error is not None:
@@ -294,14 +278,14 @@ class _Sender:
             except queue.Empty:
                 continue
             self.waited += time.perf_counter() - t0
-            return wire.Bucket(self.writer.buffers[i], i)
+            return packing.Bucket(self.writer.buffers[i], i)
 
-    def ship(self, bucket: wire.Bucket) -> None:
+    def ship(self, bucket: packing.Bucket) -> None:
         if not self.started:
             self.start()
         self.pool.submit(self._ship, bucket)
 
-    def _ship(self, bucket: wire.Bucket) -> None:
+    def _ship(self, bucket: packing.Bucket) -> None:
         if self.error is not None:
             return
         update = {"version": self.version, "bucket": bucket.index, "nbytes": bucket.used, "entries": bucket.entries}
