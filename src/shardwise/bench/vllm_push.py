@@ -17,8 +17,8 @@ here, bf16) that loaded the same model. Measured, in this order, on the same eng
   move them with fewer copies.
 - ``delta``: after a full push, AdamW steps at ``--lr`` and a delta push after each: the bytes
   sent against a full push's.
-- ``overlap``: AdamW steps alone, then each with a full ``push(wait=False)`` streaming beside
-  it: the median step time of each, and how long the push still took after its step.
+- ``overlap``: AdamW steps alone and each with a full ``push(wait=False)`` streaming beside
+  it, alternating: the median step time of each, and how long the push went on after its step.
 
 With ``--nodes 2`` (``vllm_link``) the engine is a ``vllm serve`` on another node joined by a
 link shaped to ``--link``, the push goes over the tcp transport, the floor is the bytes over
@@ -360,8 +360,9 @@ def _stepper(model, cfg: Config):
 
 
 def _measure_overlap(model, llm, cfg: Config, base: int, work: Path) -> dict:
-    """Steps alone, then steps each with a full ``push(wait=False)`` beside it (the slowest
-    rank's step, median of ``--pushes``); and how long each push went on after its step."""
+    """Steps alone and steps each with a full ``push(wait=False)`` beside it, alternating (so
+    that a busy machine's drift falls on both alike; the slowest rank's step, median of
+    ``--pushes`` each); and how long each push went on after its step."""
     step = _stepper(model, cfg)
     sync = _sync(model, llm, cfg)
     sync.push()  # warm
@@ -373,9 +374,9 @@ def _measure_overlap(model, llm, cfg: Config, base: int, work: Path) -> dict:
         fn()
         return slowest(time.perf_counter() - t0)
 
-    alone = [timed(step) for _ in range(cfg.pushes)]
-    beside, after = [], []
+    alone, beside, after = [], [], []
     for _ in range(cfg.pushes):
+        alone.append(timed(step))
         dist.barrier()
         handle = sync.push(wait=False)
         beside.append(timed(step))

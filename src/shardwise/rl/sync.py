@@ -14,6 +14,8 @@ engine, through vLLM's weight-transfer API.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from urllib.parse import urlparse
 
@@ -276,6 +278,10 @@ class PushHandle:
         self._thread.join()
 
     def _run(self, work) -> None:
+        # the lowest CPU priority for this thread and those it starts (Linux: per thread), so
+        # that where the push and the training step share cores the step goes first
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             work()
         except BaseException as e:  # kept for wait(): a thread has nobody else to tell
