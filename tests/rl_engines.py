@@ -340,7 +340,8 @@ def death_job(url: str, engine_pid: int) -> dict:
     return {"error": error, "error_after": error_after, "same_training": same, "again": again}
 
 
-def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = False, push: bool = True) -> dict:
+def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = False, push: bool = True,
+                strategy: str = "full_shard", shard_size: int | None = None) -> dict:
     """Train with ``push(wait=False)`` after steps 1 and 3, each push's handle waited for only
     after the next two optimizer steps. Rank 0 returns the gathered state at each push (what
     the engine must serve) and at the end. ``fail_first``: rank 0's first ``update_weights``
@@ -348,7 +349,8 @@ def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = 
     handshake) then goes through. ``push=False``: the same
     training without any sync (the parity reference)."""
     model = build("llama", seed=seed)
-    shardwise.shard(model, wrap=shardwise.wrap.auto(model))
+    kw = {} if shard_size is None else {"shard_size": shard_size}
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model), strategy=strategy, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5 if delta else 1e-2)
     sync = None
     if push:

@@ -160,6 +160,20 @@ def test_push_beside_training_sends_the_weights_at_the_push(ranks, servers, delt
     assert all(torch.equal(final[k], alone[k]) for k in final)
 
 
+def test_push_beside_training_under_hybrid_sharding(ranks, servers):
+    """hybrid_shard 2x2: the push's own groups copy rank 0's shard group (the other replica
+    sends nothing but takes part in the push's agreement); the engine serves the weights at
+    the push and training is bitwise as without any push."""
+    server = servers["llama"]
+    pool = ranks(4)
+    kw = dict(seed=53, strategy="hybrid_shard", shard_size=2)
+    results = pool.run(E.overlap_job, server.url, **kw)
+    assert [r["versions"] for r in results] == [[1, 2]] * 4 and not any(r["errors"] for r in results)
+    E.check_push(server, {"state": results[0]["pushed"][-1], "versions": [2]}, "llama")
+    alone = pool.run(E.overlap_job, server.url, push=False, **kw)[0]["state"]
+    assert all(torch.equal(results[0]["state"][k], alone[k]) for k in alone)
+
+
 def test_push_beside_training_fails_at_wait_on_every_rank(ranks, servers):
     """The engine refuses a bucket of a ``push(wait=False)``: ``wait()`` raises the
     EngineError on every rank (no hang), training goes on unchanged, and the next push (a new
