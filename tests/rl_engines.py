@@ -338,3 +338,59 @@ def death_job(url: str, engine_pid: int) -> dict:
     except shardwise.rl.EngineError as e:
         again = str(e)
     return {"error": error, "error_after": error_after, "same_training": same, "again": again}
+
+
+def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = False, push: bool = True,
+                strategy: str = "full_shard", shard_size: int | None = None) -> dict:
+    """Train with ``push(wait=False)`` after steps 1 and 3, each push's handle waited for only
+    after the next two optimizer steps. Rank 0 returns the gathered state at each push (what
+    the engine must serve) and at the end. ``fail_first``: rank 0's first ``update_weights``
+    call to the engine raises, so that the first push fails in its thread; the second (a new
+    handshake) then goes through. ``push=False``: the same
+    training without any sync (the parity reference)."""
+    model = build("llama", seed=seed)
+    kw = {} if shard_size is None else {"shard_size": shard_size}
+    shardwise.shard(model, wrap=shardwise.wrap.auto(model), strategy=strategy, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5 if delta else 1e-2)
+    sync = None
+    if push:
+        sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, delta=delta, bucket_bytes=1 << 17,
+                                     dtype=torch.bfloat16 if delta else None, address="127.0.0.1")
+    if fail_first and sync.feeds:
+        client, calls = sync.feeds[0].client, []
+
+        def update_weights(update, _real=client.update_weights):
+            calls.append(1)
+            if len(calls) == 1:
+                raise shardwise.rl.EngineError("injected: the engine refused a bucket")
+            return _real(update)
+
+        client.update_weights = update_weights
+    g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+
+    def step() -> None:
+        ids = torch.randint(3, 128, (2, 12), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    out = {"pushed": [], "versions": [], "errors": [], "done_early": []}
+    for _ in range(2):
+        step()
+        if sync is None:
+            step()
+            step()
+            continue
+        out["pushed"].append(shardwise.full_state_dict(model))
+        handle = sync.push(wait=False)
+        step()
+        out["done_early"].append(handle.done())
+        step()
+        try:
+            out["versions"].append(handle.wait())
+        except shardwise.rl.EngineError as e:
+            out["errors"].append(str(e))
+    if sync is not None:
+        sync.close()
+    out["state"] = shardwise.full_state_dict(model)
+    return out if dist.get_rank() == 0 else {k: v for k, v in out.items() if k not in ("pushed", "state")}

@@ -169,9 +169,6 @@ KNOWN_CIRCLES = {
                "shardwise.checkpoint.dcp_loading", "shardwise.checkpoint.loading",
                "shardwise.checkpoint.native_conversion", "shardwise.checkpoint.pretrained"}),
     frozenset({"shardwise.ft.diloco", "shardwise.ft.replicas"}),  # DiLoCo's Torchft type (issue 41)
-    frozenset({"shardwise.rl.trainer", "shardwise.rl.transport"}),  # issue 39's transport registry
-    # issue 39: the push bench dispatches to its --nodes 2 and --engines modes, which reuse its parts
-    frozenset({"shardwise.bench.vllm_engines", "shardwise.bench.vllm_link", "shardwise.bench.vllm_push"}),
 }
 
 

@@ -140,6 +140,57 @@ def test_several_engines_take_one_push(ranks, servers, world_size, delta):
                 assert pay == payload and 0 < sent < 0.35 * payload, r["sent"]
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_push_beside_training_sends_the_weights_at_the_push(ranks, servers, delta):
+    """``push(wait=False)`` at N=2, each handle waited for after two more optimizer steps:
+    the engine serves the weights as they were at the push (fp32; delta: bf16 at lr 1e-5),
+    not those of the steps that ran while they streamed, and training is bitwise the same as
+    without any push."""
+    server = servers["llama"]
+    before = server.generate()
+    pool = ranks(2)
+    results = pool.run(E.overlap_job, server.url, seed=50 + delta, delta=delta)
+    assert [r["versions"] for r in results] == [[1, 2]] * 2 and not any(r["errors"] for r in results)
+    pushed = results[0]["pushed"]
+    E.check_push(server, {"state": pushed[-1], "versions": [2]}, "llama", before=before,
+                 round_to=torch.bfloat16 if delta else None)
+    final = results[0]["state"]
+    assert any(not torch.equal(final[k], pushed[-1][k]) for k in final)  # it did train on meanwhile
+    alone = pool.run(E.overlap_job, server.url, seed=50 + delta, delta=delta, push=False)[0]["state"]
+    assert all(torch.equal(final[k], alone[k]) for k in final)
+
+
+def test_push_beside_training_under_hybrid_sharding(ranks, servers):
+    """hybrid_shard 2x2: the push's own groups copy rank 0's shard group (the other replica
+    sends nothing but takes part in the push's agreement); the engine serves the weights at
+    the push and training is bitwise as without any push."""
+    server = servers["llama"]
+    pool = ranks(4)
+    kw = dict(seed=53, strategy="hybrid_shard", shard_size=2)
+    results = pool.run(E.overlap_job, server.url, **kw)
+    assert [r["versions"] for r in results] == [[1, 2]] * 4 and not any(r["errors"] for r in results)
+    E.check_push(server, {"state": results[0]["pushed"][-1], "versions": [2]}, "llama")
+    alone = pool.run(E.overlap_job, server.url, push=False, **kw)[0]["state"]
+    assert all(torch.equal(results[0]["state"][k], alone[k]) for k in alone)
+
+
+def test_push_beside_training_fails_at_wait_on_every_rank(ranks, servers):
+    """The engine refuses a bucket of a ``push(wait=False)``: ``wait()`` raises the
+    EngineError on every rank (no hang), training goes on unchanged, and the next push (a new
+    handshake) gives the engine the trained model."""
+    server = servers["llama"]
+    pool = ranks(2)
+    results = pool.run(E.overlap_job, server.url, seed=52, fail_first=True)
+    for rank, r in enumerate(results):
+        assert r["versions"] == [1], r
+        assert len(r["errors"]) == 1 and r["errors"][0].startswith("push of version 1 failed"), r
+        assert "injected: the engine refused a bucket" in r["errors"][0], r
+        assert rank == 0 or "(reported by rank 0)" in r["errors"][0], r
+    E.check_push(server, {"state": results[0]["pushed"][-1], "versions": [1]}, "llama")
+    alone = pool.run(E.overlap_job, server.url, seed=52, push=False)[0]["state"]
+    assert all(torch.equal(results[0]["state"][k], alone[k]) for k in alone)
+
+
 def test_one_engine_refusing_fails_the_push_on_every_rank(ranks, servers):
     """Of two engines, the second holds another model: every rank gets its verdict, naming
     the engine, and neither engine changes what it serves."""

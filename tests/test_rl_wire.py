@@ -14,7 +14,7 @@ from nets import make, wrap_policy
 import shardwise
 from shardwise import collectives as C
 from shardwise.layout import Layout
-from shardwise.rl import wire
+from shardwise.rl import packing
 from shardwise.rl.delta import Shadow
 from shardwise.rl.source import Export, Gathered, Scratch
 
@@ -27,13 +27,13 @@ def pack(tensors, bucket_bytes, dtype):
 
     def acquire():
         i = free.pop(0)
-        return wire.Bucket(buffers[i], i)
+        return packing.Bucket(buffers[i], i)
 
     def ship(bucket):
         shipped.append((bucket.data[: bucket.used].clone(), list(bucket.entries)))
         free.append(bucket.index)
 
-    packer = wire.Packer(acquire, ship)
+    packer = packing.Packer(acquire, ship)
     for name, t in tensors.items():
         flat = t.reshape(-1)
         half = flat.numel() // 2  # two segments, as two ranks' rows would come
@@ -45,7 +45,7 @@ def pack(tensors, bucket_bytes, dtype):
 def unpack(shipped):
     out = {}
     for data, entries in shipped:
-        for p in wire.decode(data, entries):
+        for p in packing.decode(data, entries):
             flat = out.setdefault(p.name, torch.full((math.prod(p.shape),), float("nan"), dtype=p.dtype))
             flat[p.start : p.start + p.values.numel()] = p.values
             out[p.name] = flat
@@ -67,14 +67,14 @@ def test_dense_tensors_round_trip_across_buckets():
 def test_sparse_patch_round_trips():
     buffers = [torch.zeros(256, dtype=torch.uint8) for _ in range(2)]
     shipped = []
-    packer = wire.Packer(lambda: wire.Bucket(buffers[len(shipped) % 2], len(shipped) % 2),
+    packer = packing.Packer(lambda: packing.Bucket(buffers[len(shipped) % 2], len(shipped) % 2),
                          lambda b: shipped.append((b.data[: b.used].clone(), list(b.entries))))
     for idx in (torch.arange(0, 120, 3), torch.tensor([1, 2, 400, 401, 9000, 70000])):
         shipped.clear()
         vals = torch.linspace(-1, 1, idx.numel()).to(torch.bfloat16)
         packer.sparse("w", torch.bfloat16, (300, 300), idx, vals)
         packer.flush()
-        pieces = [p for data, entries in shipped for p in wire.decode(data, entries)]
+        pieces = [p for data, entries in shipped for p in packing.decode(data, entries)]
         assert torch.equal(torch.cat([p.indices for p in pieces]), idx)
         assert torch.equal(torch.cat([p.values for p in pieces]), vals)
     # gaps of 3 go as one byte each; 100 changes (300 bytes) need more than a 256-byte bucket
@@ -93,7 +93,7 @@ def test_decode_rejects_entries_outside_the_bucket_or_the_shape():
     ]
     for entry in bad:
         try:
-            wire.decode(data, [entry])
+            packing.decode(data, [entry])
         except ValueError as e:  # named
             assert "'w'" in str(e) or "nonsense" in str(e)
         else:
@@ -117,24 +117,37 @@ def test_segments_of_gathered_rows_are_the_parameters():
 
 def gather_every_unit(placement):
     """Every sharded unit gathered into one ``Scratch`` (reused unit after unit), in bf16 and
-    in the master dtype, against the parameters before sharding; then an ``into`` that does
+    in the master dtype, against the parameters before sharding: as the units are (``Live``)
+    and from the copy a push beside training takes (``Frozen``, over its own groups), which
+    keeps the values of when it was taken while the shards change; then an ``into`` that does
     not hold the shard is refused on every rank before anything is sent."""
+    from shardwise.rl.source import Frozen, Live, PushGroups
     from shardwise.runtime import runtime_of
     from shardwise.unit import ShardedUnit
 
     model = make("tied")
     before = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
     shardwise.shard(model, wrap=wrap_policy("by_class", "tied"), placement=placement)
-    units = [u for u in runtime_of(model).units if isinstance(u, ShardedUnit)]
+    rt = runtime_of(model)
+    sharded = [i for i, u in enumerate(rt.units) if isinstance(u, ShardedUnit)]
+    push_groups = PushGroups.create(rt)
     scratch, checked = Scratch(), 0
     for dtype in (torch.bfloat16, torch.float32):
-        for unit in units:
-            exps = [Export(s.name, dtype, s.shape, 0, i) for i, s in enumerate(unit.layout.slots)]
-            gathered = Gathered(unit, exps, scratch)
-            for i, slot in enumerate(unit.layout.slots):
-                assert torch.equal(gathered.full(i), before[slot.name].to(dtype)), slot.name
-                checked += 1
-    unit = units[0]
+        by_unit = [(i, [Export(s.name, dtype, s.shape, i, k) for k, s in enumerate(rt.units[i].layout.slots)])
+                   for i in sharded]
+        frozen = Frozen(rt, by_unit, push_groups)
+        with torch.no_grad():
+            for i in sharded:
+                rt.units[i].flat_shard.add_(1.0)  # as an optimizer step would, after the copy
+        for i, exps in by_unit:
+            for view, shift in ((Live(rt), 1.0), (frozen, 0.0)):
+                gathered = Gathered(view, i, exps, scratch)
+                for k, slot in enumerate(rt.units[i].layout.slots):
+                    assert torch.equal(gathered.full(k), (before[slot.name] + shift).to(dtype)), slot.name
+                    checked += 1
+        for k in before:
+            before[k] += 1.0
+    unit = rt.units[sharded[0]]
     wrong = torch.empty(sum(unit.layout.sizes), dtype=unit.flat_shard.dtype)
     with pytest.raises(ValueError, match="with the shard at element"):
         C.all_gather(unit.flat_shard, unit.group, "test", unit.channel, unit.layout.sizes, into=wrong)
@@ -177,11 +190,11 @@ def test_shadow_sends_steps_values_or_rows():
 def test_steps_round_trip_through_a_bucket():
     buffers = [torch.zeros(1024, dtype=torch.uint8) for _ in range(2)]
     shipped = []
-    packer = wire.Packer(lambda: wire.Bucket(buffers[0], 0), lambda b: shipped.append((b.data[: b.used].clone(), list(b.entries))))
+    packer = packing.Packer(lambda: packing.Bucket(buffers[0], 0), lambda b: shipped.append((b.data[: b.used].clone(), list(b.entries))))
     idx, steps = torch.tensor([3, 7, 300]), torch.tensor([1, -2, 127], dtype=torch.int8)
     packer.sparse("w", torch.bfloat16, (20, 20), idx, steps, steps=True)
     packer.flush()
-    (piece,) = [p for data, entries in shipped for p in wire.decode(data, entries)]
+    (piece,) = [p for data, entries in shipped for p in packing.decode(data, entries)]
     assert piece.steps and torch.equal(piece.indices, idx) and torch.equal(piece.values, steps)
 
 
@@ -338,7 +351,7 @@ class RecordingEngine:
         if self.calls == self.fail_at:
             raise RuntimeError("this engine fails")
         data = self.reader.receive(update["bucket"], update["nbytes"])
-        for p in wire.decode(data, update["entries"]):
+        for p in packing.decode(data, update["entries"]):
             flat = self.tensors.setdefault(p.name, torch.full((math.prod(p.shape),), float("nan"), dtype=p.dtype))
             flat[p.start : p.start + p.values.numel()] = p.values
 
@@ -355,8 +368,8 @@ def push_to_two_engines(fail_at: int):
     import torch.distributed as dist
 
     from shardwise.rl.clients import EngineError
-    from shardwise.rl.trainer import Feed, ShardwiseSource, ShardwiseTrainerInitInfo
-    from shardwise.rl.trainer import ShardwiseTrainerWeightTransferEngine as Trainer
+    from shardwise.rl.sender import Feed, ShardwiseSource, ShardwiseTrainerInitInfo
+    from shardwise.rl.sender import ShardwiseTrainerWeightTransferEngine as Trainer
 
     model = make("tied", seed=3)
     shardwise.shard(model, wrap=wrap_policy("by_class", "tied"))
@@ -377,7 +390,7 @@ def push_to_two_engines(fail_at: int):
 
 def import_trainer_side() -> None:
     """vLLM's trainer side, imported in a task of its own (tens of seconds on a busy machine)."""
-    import shardwise.rl.trainer  # noqa: F401
+    import shardwise.rl.sender  # noqa: F401
 
 
 def test_two_engines_each_get_the_whole_model_from_their_own_rank(pool):

@@ -165,11 +165,12 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return _host_groups[key]
 
 
-def background_group() -> dist.ProcessGroup:
-    """A new Gloo group over the world for collectives issued on a thread of their own (a
-    background checkpoint save), apart from every other group so that they never interleave
-    with the training thread's. Collective: every rank calls it, on its main thread."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+def background_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
+    """A new Gloo group over ``ranks`` (None: the world) for collectives issued on a thread of
+    their own (a background checkpoint save, a weight push), apart from every other group so
+    that they never interleave with the training thread's. Collective: every rank calls it, on
+    its main thread."""
+    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ MOVED = {
     "shardwise.quantize": "shardwise.codecs",
     # one name per concept (issue 43)
     "shardwise.outer": "shardwise.replica_groups",
+    "shardwise.rl.trainer": "shardwise.rl.sender",
+    "shardwise.rl.wire": "shardwise.rl.packing",
 }
 
 

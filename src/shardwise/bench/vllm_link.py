@@ -21,8 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .netns import ADDRESSES
-from .vllm_push import KV_CACHE_BYTES
 
+# the engine's KV cache: vLLM on CPU otherwise reserves 92% of the machine's memory and refuses
+# to start when other processes hold more than 8%
+KV_CACHE_BYTES = 1 << 30
 SERVE_TIMEOUT_S = 900.0  # a first `vllm serve` on a busy 2-core machine takes minutes
 
 

@@ -17,6 +17,8 @@ here, bf16) that loaded the same model. Measured, in this order, on the same eng
   move them with fewer copies.
 - ``delta``: after a full push, AdamW steps at ``--lr`` and a delta push after each: the bytes
   sent against a full push's.
+- ``overlap``: AdamW steps alone and each with a full ``push(wait=False)`` streaming beside
+  it, alternating: the median step time of each, and how long the push went on after its step.
 
 With ``--nodes 2`` (``vllm_link``) the engine is a ``vllm serve`` on another node joined by a
 link shaped to ``--link``, the push goes over the tcp transport, the floor is the bytes over
@@ -30,7 +32,7 @@ during a push above what it held before the first (sampled every millisecond: st
 buffers, gathered units, the naive way's state dict), the largest over ranks. Targets (issue
 31): push <= 1.5x the floor and <= 0.5x naive; extra memory <= one bucket + the largest unit;
 delta bytes <= 0.1x full at lr 1e-5; (issue 39) a delta push's pause <= 0.1x a full push
-across a 100 Mbit/s link. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
+across a 100 Mbit/s link, a step with a push beside it <= 1.15x a step alone. Writes ``bench_vllm.json`` and ``bench_vllm.md`` in
 ``--out``.
 """
 
@@ -51,17 +53,13 @@ import torch
 import torch.distributed as dist
 
 from .netns import link_rate
+from .vllm_link import KV_CACHE_BYTES, SERVE_TIMEOUT_S, engine_url, wait_healthy
 
 SIZES = {  # hidden, intermediate, layers, heads (head_dim 64 but small: 32), vocab
     "small": (256, 704, 4, 8, 8192),
     "medium": (512, 1408, 8, 8, 16384),
     "large": (1024, 2816, 12, 16, 32000),
 }
-
-# the engine's KV cache: vLLM on CPU otherwise reserves 92% of the machine's memory and refuses
-# to start when other processes hold more than 8%
-KV_CACHE_BYTES = 1 << 30
-
 
 @dataclass
 class Config:
@@ -107,32 +105,6 @@ def parse_args(argv: list[str]) -> Config:
     if cfg.engines > 1 and cfg.nodes > 1:
         p.error("--engines runs its engines on this machine: give it without --nodes 2")
     return cfg
-
-
-def main(argv: list[str]) -> None:
-    cfg = parse_args(argv)
-    if cfg.engines > 1:
-        from . import vllm_engines
-
-        if "RANK" not in os.environ:
-            return vllm_engines.run(build_model(cfg), cfg, argv)
-        result = vllm_engines.run_rank(cfg)
-        if dist.get_rank() == 0:
-            vllm_engines.report(cfg, result)
-        return
-    if "RANK" in os.environ:
-        result = run_rank(cfg)
-        if dist.get_rank() == 0:
-            report(cfg, result)
-        return
-    if cfg.nodes == 2:
-        from . import vllm_link
-
-        return vllm_link.run(build_model(cfg), cfg, argv)
-    from ..groups import launch_local
-
-    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-    report(cfg, launch_local(cfg.nproc, run_rank, cfg)[0])
 
 
 def build_model(cfg: Config):
@@ -207,9 +179,8 @@ def run_rank(cfg: Config) -> dict:
 
     from ..groups import DEFAULT_TIMEOUT_S
     from ..rl.source import exports
-    from . import vllm_link
 
-    shardwise.init(timeout=vllm_link.SERVE_TIMEOUT_S if cfg.nodes == 2 else DEFAULT_TIMEOUT_S)
+    shardwise.init(timeout=SERVE_TIMEOUT_S if cfg.nodes == 2 else DEFAULT_TIMEOUT_S)
     rank = dist.get_rank()
     model = build_model(cfg)
     work = Path(tempfile.mkdtemp(prefix="shardwise-bench-vllm-", dir="/dev/shm"))
@@ -227,8 +198,9 @@ def run_rank(cfg: Config) -> dict:
         out["largest_unit_bytes"] = _largest_unit(model)
         out["bucket_bytes"] = cfg.bucket_mb << 20
         out["floor_bytes_per_s"] = _floor_bandwidth(cfg, out["wire_bytes"]) if rank == 0 else 0.0
-        ways = (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta))
-        for way, measure in ways if cfg.nodes == 1 else (ways[0], ways[2]):
+        ways = (("shardwise", _measure_pushes), ("naive", _measure_naive), ("delta", _measure_delta),
+                ("overlap", _measure_overlap))
+        for way, measure in ways if cfg.nodes == 1 else ways[:1] + ways[2:]:
             say(f"measuring {way}")
             out[way] = measure(model, engine, cfg, base, work)
         return out
@@ -252,11 +224,9 @@ def _engine(cfg: Config, model, work: Path):
     """Rank 0's engine: an in-process ``vllm.LLM`` on this machine, or (``--nodes 2``) the
     URL of the ``vllm serve`` on node B once it answers."""
     if cfg.nodes == 2:
-        from . import vllm_link
-
         say("waiting for the engine on node B")
-        url = vllm_link.engine_url(cfg.port)
-        vllm_link.wait_healthy(url)
+        url = engine_url(cfg.port)
+        wait_healthy(url)
         return url
     model.save_pretrained(work / "start")
     say("starting the engine")
@@ -352,16 +322,7 @@ def _measure_naive(model, llm, cfg: Config, base: int, work: Path) -> dict:
 def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
     import shardwise
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
-
-    def step() -> None:
-        ids = torch.randint(0, vocab, (2, 64), generator=g)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
+    step = _stepper(model, cfg)
     for _ in range(cfg.warmup_steps):
         step()
     sync = _sync(model, llm, cfg, delta=True)
@@ -381,6 +342,48 @@ def _measure_delta(model, llm, cfg: Config, base: int, work: Path) -> dict:
     sync.close()
     return {"bytes_ratio": statistics.median(ratios) if ratios else 0.0, "all_ratios": ratios,
             "seconds": statistics.median(times), "pause_seconds": statistics.median(pauses)}
+
+
+def _stepper(model, cfg: Config):
+    """One AdamW training step of ``model`` on a random batch (2 x 64 tokens)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+
+    def step() -> None:
+        ids = torch.randint(0, vocab, (2, 64), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _measure_overlap(model, llm, cfg: Config, base: int, work: Path) -> dict:
+    """Steps alone and steps each with a full ``push(wait=False)`` beside it, alternating (so
+    that a busy machine's drift falls on both alike; the slowest rank's step, median of
+    ``--pushes`` each); and how long each push went on after its step."""
+    step = _stepper(model, cfg)
+    sync = _sync(model, llm, cfg)
+    sync.push()  # warm
+    step()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return slowest(time.perf_counter() - t0)
+
+    alone, beside, after = [], [], []
+    for _ in range(cfg.pushes):
+        alone.append(timed(step))
+        dist.barrier()
+        handle = sync.push(wait=False)
+        beside.append(timed(step))
+        after.append(timed(handle.wait))
+    sync.close()
+    return {"step_seconds": statistics.median(alone), "step_beside_push_seconds": statistics.median(beside),
+            "wait_after_step_seconds": statistics.median(after), "all_alone": alone, "all_beside": beside}
 
 
 def report(cfg: Config, r: dict) -> None:
@@ -435,7 +438,7 @@ def floor_of(cfg: Config) -> str:
 
 
 def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
-    sw, naive, delta = r["shardwise"], r.get("naive"), r["delta"]
+    sw, naive, delta, over = r["shardwise"], r.get("naive"), r["delta"], r["overlap"]
     mib = 2**20
     versus = f"; <= 0.5x naive: {sw['seconds'] / naive['seconds']:.2f}" if naive else " (naive: not measured across a link)"
     return [
@@ -450,6 +453,10 @@ def _notes(cfg: Config, r: dict, floor: float, allowed: int) -> list[str]:
         f"- targets: push <= 1.5x floor: {sw['seconds'] / floor:.2f}{versus}; extra memory <= bucket + largest "
         f"unit: {'yes' if sw['extra_bytes'] <= allowed else 'no'}; delta <= 0.1x: {delta['bytes_ratio']:.3f}; "
         f"delta's engine pause <= 0.1x a full push's: {delta['pause_seconds'] / sw['seconds']:.2f}",
+        f"- a training step (AdamW, 2 x 64 tokens) alone {over['step_seconds']:.3f} s, with a full "
+        f"push(wait=False) beside it {over['step_beside_push_seconds']:.3f} s "
+        f"({over['step_beside_push_seconds'] / over['step_seconds']:.2f}x; target <= 1.15x); the push then "
+        f"went on {over['wait_after_step_seconds']:.3f} s after the step",
     ]
 
 

@@ -6,10 +6,10 @@ without importing vLLM; ``VLLMSync`` imports vLLM when first asked for.
     sync.push()                                                      # after opt.step()
 
 Modules: sync (``VLLMSync``), source (the model in save_pretrained's names, unit by unit),
-delta (changed values only), wire (the bucket format), transport (the transports by name:
-shm, tcp, nccl, ipc), clients (the engine's control plane), trainer and engine (the
-"shardwise" backend on either side of vLLM's weight-transfer API), plugin (vLLM's entry
-point). docs/rl.md.
+delta (changed values only), packing (the bucket format), transport (the transports by name:
+shm, tcp, nccl, ipc), clients (the engine's control plane), sender and engine (the
+"shardwise" backend on either side of vLLM's weight-transfer API; init_info, its settings),
+plugin (vLLM's entry point). docs/rl.md.
 """
 
 from .clients import EngineError

@@ -33,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from . import wire
+from . import packing
 from .delta import BITS
 from .transport import transport
 
@@ -54,7 +54,7 @@ class ShardwiseInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ShardwiseUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: which staging buffer (shm), its length, and its entries (``wire``)."""
+    """One bucket: which staging buffer (shm), its length, and its entries (``packing``)."""
 
     version: int
     bucket: int
@@ -81,7 +81,7 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
 
     def init_transfer_engine(self, init_info: ShardwiseInitInfo) -> None:
         self.shutdown()
-        self.declared = {n: (wire.dtype_of(d), tuple(s)) for n, d, s in init_info.tensors}
+        self.declared = {n: (packing.dtype_of(d), tuple(s)) for n, d, s in init_info.tensors}
         problems = check_names(self.model, self.declared)
         if problems:
             more = f"\n  ... and {len(problems) - 6} more" if len(problems) > 6 else ""
@@ -114,7 +114,7 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
             return
         data = self.reader.receive(update_info.bucket, update_info.nbytes)
         self.version = update_info.version
-        pieces = wire.decode(data, update_info.entries)
+        pieces = packing.decode(data, update_info.entries)
         for p in pieces:
             self._check(p)
         if self.delta:
@@ -165,14 +165,14 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
         self.mirror, self.partial = {}, {}
 
     # --- pieces
-    def _check(self, p: wire.Piece) -> None:
+    def _check(self, p: packing.Piece) -> None:
         want = self.declared.get(p.name)
         if want is None:
             raise ValueError(f"'{p.name}' was not declared at the handshake")
         if want != (p.dtype, p.shape):
             raise ValueError(f"'{p.name}': {p.dtype} {p.shape} arrived, {want[0]} {want[1]} was declared")
 
-    def _gather(self, p: wire.Piece) -> list[tuple[str, torch.Tensor]]:
+    def _gather(self, p: packing.Piece) -> list[tuple[str, torch.Tensor]]:
         """Full mode: a piece of a tensor split across buckets; the tensor once complete."""
         slot = self.partial.get(p.name)
         if slot is None:
@@ -184,7 +184,7 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
         del self.partial[p.name]
         return [(p.name, slot[0].view(p.shape))]
 
-    def _patch(self, p: wire.Piece) -> None:
+    def _patch(self, p: packing.Piece) -> None:
         """Delta mode: write a dense piece or a sparse patch into the mirror."""
         flat = self.mirror.get(p.name)
         if flat is None:

@@ -19,5 +19,5 @@ def register() -> None:
         )
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(
-            BACKEND, "shardwise.rl.trainer", "ShardwiseTrainerWeightTransferEngine"
+            BACKEND, "shardwise.rl.sender", "ShardwiseTrainerWeightTransferEngine"
         )

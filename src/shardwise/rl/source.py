@@ -8,13 +8,17 @@ writes (its conversion mapping reversed): Mixtral's fused ``mlp.experts.gate_up_
 per-expert ``block_sparse_moe.experts.{i}.w1/w3``, each a contiguous range (a ``part``) of
 the fused parameter. Two ways to read them, both collective over the model's ranks:
 
-- ``Gathered(unit, exps, scratch)``: one unit's full parameters, gathered once over its group,
+- ``Gathered(view, unit, exps, scratch)``: one unit's full parameters, gathered once over its group,
   handed out as segments of the gathered rows (no full copy is made, except for a merged LoRA
   weight). A unit whose exports are its parameters is gathered in the wire dtype (half the
   bytes of fp32 for bf16; casting commutes with gathering). On CPU the rows lie in the
   sync's ``Scratch``, memory of its own that it keeps until it closes.
-- ``local_rows(export)``: the rows of an export this rank answers for, without a gather (its
-  shard's rows; the delta mode's unit of work).
+- ``local_rows(view, export)``: the rows of an export this rank answers for, without a gather
+  (its shard's rows; the delta mode's unit of work).
+
+Both read through a view: ``Live`` (the units as they are, for a push between steps) or
+``Frozen`` (this rank's rows copied at the push, gathered over the push's own groups, for a
+push that overlaps the next steps).
 
 ``ShardwiseSource`` wraps both in vLLM's ``WeightSource`` for vLLM's own nccl and ipc engines.
 """
@@ -32,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import collectives as C
-from .. import flight
+from .. import flight, groups
 from ..checkpoint.pretrained import (
     Exported,
     exported_tensors,
@@ -43,7 +47,7 @@ from ..checkpoint.pretrained import (
 from ..checkpoint.state import idle_world_runtime, owned_rows
 from ..errors import ShardwiseError
 from ..runtime import Runtime
-from ..unit import ShardedUnit, Unit
+from ..unit import ShardedUnit
 
 
 @dataclass(frozen=True)
@@ -167,10 +171,146 @@ def by_unit(exps: list[Export]) -> list[tuple[int | None, list[Export]]]:
     return groups
 
 
-def readers(rt: Runtime) -> contextlib.AbstractContextManager:
-    """Around a pass over the units: under hybrid sharding only rank 0's shard group reads
-    (the others hold the same rows), its collectives kept apart as ``save_pretrained`` does."""
-    return flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext()
+def gather_dtype(unit: ShardedUnit, exps: list[Export]) -> torch.dtype:
+    """The dtype a push gathers a unit in: the wire dtype when all its exports travel in one
+    narrower than the master weights (half the bytes of fp32 for bf16; casting commutes with
+    gathering) and none is a merged LoRA weight; else the master dtype."""
+    master = unit.flat_shard.dtype
+    wire = {e.dtype for e in exps}
+    narrow = len(wire) == 1 and all(e.lora is None for e in exps) and next(iter(wire)).itemsize < master.itemsize
+    return next(iter(wire)) if narrow else master
+
+
+class Live:
+    """What a push between steps reads: the units' own shards and parameters, gathered over
+    their own groups like the training's gathers (recorded in the flight recorder); the
+    control messages (status, patches, outcome) go over the world."""
+
+    control = None  # the world group
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+
+    def shard(self, i: int) -> torch.Tensor:
+        return self.rt.units[i].flat_shard
+
+    def params(self, i: int) -> list[torch.Tensor]:
+        return [p.detach() for p in self.rt.units[i].params]
+
+    def buffer(self, e: Export) -> torch.Tensor:
+        return e.buffer.detach()
+
+    def group(self, i: int | None):
+        """Unit ``i``'s group (None: the buffers', the shard group)."""
+        return self.rt.units[i].group if i is not None else self.rt.mesh.shard
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        """Around a pass over the units: under hybrid sharding only rank 0's shard group reads
+        (the others hold the same rows), its collectives kept apart as ``save_pretrained`` does."""
+        return flight.apart() if self.rt.mesh.replicate is not None else contextlib.nullcontext()
+
+    def gather(self, i: int, dtype: torch.dtype, scratch: Scratch) -> list[torch.Tensor]:
+        unit = self.rt.units[i]
+        sizes, label = unit.layout.sizes, f"{unit.label} (push)"
+        if unit.device.type == "cpu":
+            into = scratch.take(sum(sizes), dtype)
+            first = sum(sizes[: unit.rank])
+            send = into[first : first + sizes[unit.rank]]
+            send.copy_(unit.flat_shard)
+            pending = C.all_gather(send, unit.group, label, unit.channel, sizes, into=into)
+        else:
+            send = unit.flat_shard.to(unit.device, dtype)
+            pending = C.all_gather(send, unit.group, label, unit.channel, sizes)
+        pending.wait()
+        return pending.result
+
+
+class Frozen(Live):
+    """What a push that overlaps the next steps reads (``push(wait=False)``): this rank's rows
+    as they were at the push, copied to host memory then (a sharded unit's shard in the dtype
+    it is gathered in, a replicated unit's parameters, the buffers), so that the optimizer may
+    step while they stream. Gathered over the push's own Gloo groups (``PushGroups``) as plain
+    torch.distributed calls: not through the flight recorder, whose per-step digest is the
+    training thread's sequence of collectives and would differ between ranks if a thread
+    beside it recorded into it. Only rank 0's replica copies anything (the others send
+    nothing)."""
+
+    def __init__(self, rt: Runtime, groups: list[tuple[int | None, list[Export]]], push_groups: PushGroups):
+        super().__init__(rt)
+        self.control = push_groups.world
+        self.unit_groups = push_groups.units
+        self.shards: dict[int, torch.Tensor] = {}
+        self.unit_params: dict[int, list[torch.Tensor]] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        if not rt.mesh.first_replica():
+            return
+        with torch.no_grad():
+            for i, exps in groups:
+                if i is None:
+                    for e in exps:
+                        self.buffers[e.name] = e.buffer.detach().to("cpu", copy=True)
+                elif isinstance(rt.units[i], ShardedUnit):
+                    unit = rt.units[i]
+                    self.shards[i] = unit.flat_shard.detach().to("cpu", gather_dtype(unit, exps), copy=True)
+                else:
+                    self.unit_params[i] = [p.detach().to("cpu", copy=True) for p in rt.units[i].params]
+
+    def shard(self, i: int) -> torch.Tensor:
+        return self.shards[i]
+
+    def params(self, i: int) -> list[torch.Tensor]:
+        return self.unit_params[i]
+
+    def buffer(self, e: Export) -> torch.Tensor:
+        return self.buffers[e.name]
+
+    def group(self, i: int | None):
+        return self.unit_groups[_ranks(super().group(i))]
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def gather(self, i: int, dtype: torch.dtype, scratch: Scratch) -> list[torch.Tensor]:
+        unit = self.rt.units[i]
+        sizes, mine = unit.layout.sizes, self.shards[i]
+        if len(sizes) == 1:
+            return [mine]
+        width = max(sizes)  # Gloo gathers equal pieces: ragged ones padded to the widest
+        rows = list(scratch.take(width * len(sizes), dtype).view(len(sizes), width).unbind(0))
+        rows[unit.rank][: mine.numel()].copy_(mine)
+        C.blocking("all_gather", f"{unit.label} (push)", dist.all_gather, rows, rows[unit.rank], group=self.group(i))
+        return [row[:n] for row, n in zip(rows, sizes)]
+
+
+@dataclass
+class PushGroups:
+    """The Gloo groups a push beside training talks over, its own so that its collectives
+    never interleave with the training thread's: one over the world (the push's status,
+    patches and outcome) and one per group of ranks that gathers units (``units``: by ranks)."""
+
+    world: object
+    units: dict[tuple[int, ...], object]
+
+    @classmethod
+    def create(cls, rt: Runtime) -> PushGroups:
+        """Collective: every rank calls it, on its main thread, in the same order."""
+        world = groups.background_group()
+        mine = {_ranks(u.group) for u in rt.units} | {_ranks(rt.mesh.shard)} if rt.mesh.first_replica() else set()
+        every = [None] * dist.get_world_size()
+        C.blocking("all_gather", "VLLMSync push groups", dist.all_gather_object, every, sorted(mine))
+        units = {}
+        for ranks in sorted({tuple(r) for rs in every for r in rs}):
+            if ranks == tuple(range(dist.get_world_size())):
+                units[ranks] = world
+            else:  # every rank creates every group (torch's rule), members use theirs
+                group = groups.background_group(list(ranks))
+                if dist.get_rank() in ranks:
+                    units[ranks] = group
+        return cls(world, units)
+
+
+def _ranks(group) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
 
 
 class Scratch:
@@ -197,29 +337,17 @@ class Scratch:
 
 
 class Gathered:
-    """One unit's parameters, gathered over its group (collective); on CPU into ``scratch``."""
+    """One unit's parameters as ``view`` reads them (``Live`` or ``Frozen``), gathered over
+    its group (collective); on CPU into ``scratch``."""
 
-    def __init__(self, unit: Unit, exps: list[Export], scratch: Scratch):
-        self.unit = unit
-        self.sharded = isinstance(unit, ShardedUnit)
+    def __init__(self, view: Live, i: int, exps: list[Export], scratch: Scratch):
+        self.unit = view.rt.units[i]
+        self.sharded = isinstance(self.unit, ShardedUnit)
         self.merged: dict[int, torch.Tensor] = {}
-        if not self.sharded:
-            return
-        master = unit.flat_shard.dtype
-        wire = {e.dtype for e in exps}
-        narrow = len(wire) == 1 and all(e.lora is None for e in exps) and next(iter(wire)).itemsize < master.itemsize
-        dtype, sizes, label = next(iter(wire)) if narrow else master, unit.layout.sizes, f"{unit.label} (push)"
-        if unit.device.type == "cpu":
-            into = scratch.take(sum(sizes), dtype)
-            first = sum(sizes[: unit.rank])
-            send = into[first : first + sizes[unit.rank]]
-            send.copy_(unit.flat_shard)
-            pending = C.all_gather(send, unit.group, label, unit.channel, sizes, into=into)
+        if self.sharded:
+            self.rows = view.gather(i, gather_dtype(self.unit, exps), scratch)
         else:
-            send = unit.flat_shard.to(unit.device, dtype)
-            pending = C.all_gather(send, unit.group, label, unit.channel, sizes)
-        pending.wait()
-        self.rows = pending.result
+            self.params = view.params(i)
 
     def segments(self, e: Export) -> list[tuple[int, torch.Tensor]]:
         """``e``'s elements as ``(start, flat tensor)`` pairs."""
@@ -238,7 +366,7 @@ class Gathered:
     def full(self, index: int) -> torch.Tensor:
         """A unit parameter whole (a fresh tensor unless the unit is replicated)."""
         if not self.sharded:
-            return self.unit.params[index].detach()
+            return self.params[index]
         slot = self.unit.layout.slots[index]
         out = torch.empty(slot.numel, dtype=self.rows[0].dtype, device=self.rows[0].device)
         for start, seg in self._segments(index):
@@ -256,24 +384,24 @@ class Gathered:
 
     def _segments(self, index: int) -> list[tuple[int, torch.Tensor]]:
         if not self.sharded:
-            return [(0, self.unit.params[index].detach().view(-1))]
+            return [(0, self.params[index].view(-1))]
         return self.unit.layout.segments(self.rows, index)
 
 
-def local_rows(rt: Runtime, e: Export, gathered: Gathered | None) -> tuple[int, torch.Tensor] | None:
+def local_rows(view: Live, e: Export, gathered: Gathered | None) -> tuple[int, torch.Tensor] | None:
     """The rows of ``e`` this rank answers for in delta mode, as ``(first element, rows)``, or
     None. A sharded parameter's are its shard's rows (no gather); a replicated one's and a
     merged one's are split by rows like a shard (the merged one from ``gathered``); a buffer's
     are all on rank 0. Only rank 0's shard group answers (hybrid: the others hold the same)."""
     if e.unit is None:
-        return (0, e.buffer.detach().view(e.shape)) if dist.get_rank() == 0 else None
-    unit = rt.units[e.unit]
+        return (0, view.buffer(e).view(e.shape)) if dist.get_rank() == 0 else None
+    unit = view.rt.units[e.unit]
     if e.lora is None and isinstance(unit, ShardedUnit):
         slot = unit.layout.slots[e.index]
         start, stop = slot.row_range(unit.rank)
         if stop <= start:
             return None
-        rows = unit.layout.shard_views(unit.flat_shard, unit.rank)[e.index]
+        rows = unit.layout.shard_views(view.shard(e.unit), unit.rank)[e.index]
         if e.part is None:
             return start * e.row_numel, rows
         return _within(e, start * math.prod(slot.shape[1:]), rows.reshape(-1))
@@ -283,9 +411,9 @@ def local_rows(rt: Runtime, e: Export, gathered: Gathered | None) -> tuple[int, 
     if e.lora is not None:
         whole = gathered.merged_value(e)
     elif e.part is not None:
-        whole = unit.params[e.index].detach().reshape(-1)[e.part[0] : e.part[0] + e.part[1]]
+        whole = view.params(e.unit)[e.index].reshape(-1)[e.part[0] : e.part[0] + e.part[1]]
     else:
-        whole = unit.params[e.index].detach()
+        whole = view.params(e.unit)[e.index]
     return start * e.row_numel, whole.reshape(-1, *e.shape[1:])[start:stop]
 
 

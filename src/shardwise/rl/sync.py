@@ -6,10 +6,17 @@ engine, through vLLM's weight-transfer API.
     for step in ...:
         ...; opt.step()
         sync.push()                                   # collective; returns the version
+
+    handle = sync.push(wait=False)                    # or beside the next step: a PushHandle
+    ...; opt.step()                                   # (what travels is the weights at the push)
+    handle.wait()                                     # the version the engines now serve
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from urllib.parse import urlparse
 
 import torch
@@ -19,9 +26,11 @@ import torch.nn as nn
 from .. import addresses
 from .. import collectives as C
 from ..errors import ShardwiseError
+from ..runtime import require_idle
 from .clients import EngineError, LLMClient, ServerClient, Watched
 from .plugin import register
-from .trainer import Feed, ShardwiseSource
+from .sender import Feed, ShardwiseSource
+from .source import Frozen, Live, PushGroups
 from .transport import TRANSPORTS, VllmOwn
 
 
@@ -79,22 +88,58 @@ class VLLMSync:
         self.feeds, self.feeders = self._feeds(asked)
         self.version = 0  # of the last push that completed
         self.engine = None
+        self._pending: PushHandle | None = None
+        self._groups: PushGroups | None = None  # a push beside training talks over these
         self._connect()
 
-    def push(self) -> int:
+    def push(self, *, wait: bool = True) -> int | PushHandle:
         """Send the model's current weights (delta mode: what changed since the last push) to
         every engine; collective, between steps. Returns the version the engines now serve.
-        Raises ``EngineError`` on every rank when an engine failed; the next push starts over."""
+        Raises ``EngineError`` on every rank when an engine failed; the next push starts over.
+
+        ``wait=False``: return a ``PushHandle`` at once and stream the weights on a thread
+        while training goes on (shm and tcp). What travels is the weights as they are now:
+        each rank copies its own rows to host memory first (its shard of the model in the
+        wire dtype, held until the push ends), so the optimizer may step meanwhile; the thread
+        talks over Gloo groups of its own, never interleaved with training's. The engines
+        take the update as any push (a server pauses from the first bucket to the commit;
+        all engines commit or none). ``handle.wait()`` returns the version or raises the
+        push's ``EngineError``; an error nobody waited for is raised by the next push or
+        ``close()``. An in-process ``vllm.LLM`` is driven from that thread: call ``wait()``
+        before generating with it."""
+        self._finish_pending()
         if self.engine is None:
             self._connect()
         version = self.version + 1
+        if wait:
+            self._send(version, None)
+            return version
+        if not self.transport.overlaps:
+            raise ShardwiseError(f"push(wait=False) takes transport 'shm' or 'tcp' ({self.transport.name!r} "
+                                 "pushes between steps): push() instead")
+        require_idle(self.source.rt, "VLLMSync.push")
+        if self._groups is None:  # collective, on every rank's main thread alike
+            self._groups = PushGroups.create(self.source.rt)
+        view = Frozen(self.source.rt, self.source.groups, self._groups)
+        self._pending = PushHandle(version, lambda: self._send(version, view))
+        return self._pending
+
+    def _send(self, version: int, view: Live | None) -> None:
         try:
-            self.transport.send(self.engine, version, self.feeds[0].client if self.feeds else None, self.source)
+            self.transport.send(self.engine, version, self.feeds[0].client if self.feeds else None, self.source, view)
         except EngineError:
             self._drop()
             raise
         self.version = version
-        return version
+
+    def _finish_pending(self) -> None:
+        """Wait for a push under way; raise its error unless its handle's ``wait()`` did."""
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            handle.join()
+            if handle.error is not None and not handle.reported:
+                handle.reported = True
+                raise handle.error
 
     @property
     def pause_seconds(self) -> float:
@@ -104,8 +149,12 @@ class VLLMSync:
         return getattr(self.engine, "pause_seconds", 0.0)
 
     def close(self) -> None:
-        """Release the staging buffers and the links (the engines keep serving)."""
-        self._drop()
+        """Wait for a push under way, then release the staging buffers and the links (the
+        engines keep serving)."""
+        try:
+            self._finish_pending()
+        finally:
+            self._drop()
 
     def _connect(self) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -200,6 +249,43 @@ class VLLMSync:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+class PushHandle:
+    """A push streaming beside training (``VLLMSync.push(wait=False)``)."""
+
+    def __init__(self, version: int, work):
+        self.version = version
+        self.error: BaseException | None = None
+        self.reported = False
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"shardwise-push:v{version}")
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the push has ended (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> int:
+        """Block until the engines serve this push's weights and return its version; raise its
+        ``EngineError`` (on every rank alike) when it failed."""
+        self.join()
+        if self.error is not None:
+            self.reported = True
+            raise self.error
+        return self.version
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _run(self, work) -> None:
+        # the lowest CPU priority for this thread and those it starts (Linux: per thread), so
+        # that where the push and the training step share cores the step goes first
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            work()
+        except BaseException as e:  # kept for wait(): a thread has nobody else to tell
+            self.error = e
 
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a push sends floating-point tensors in

@@ -40,12 +40,13 @@ class Transport:
     name: ClassVar[str]
     remote: ClassVar[bool]  # the engine may run on other machines: rank 0's address, its workers
     delta: ClassVar[bool] = True  # takes delta pushes (changed values only)
+    overlaps: ClassVar[bool] = True  # takes a push beside training (push(wait=False))
 
     def trainer_info(self, *, rank: int, delta: bool, bucket_bytes: int, host: str, port: int,
                      workers: tuple[int, ...], feeders: int, timeout: float):
         """vLLM's ``TrainerInitInfo`` for the backend this transport runs on (``workers``: of
         each engine this rank feeds; ``feeders``: how many ranks feed one)."""
-        from .trainer import ShardwiseTrainerInitInfo
+        from .init_info import ShardwiseTrainerInitInfo
 
         return ShardwiseTrainerInitInfo(rank=rank, transport=self.name, delta=delta, bucket_bytes=bucket_bytes,
                                         host=host, port=port, workers=workers, feeders=feeders, timeout=timeout)
@@ -55,9 +56,10 @@ class Transport:
         this rank feeds (``trainer.Feed``)."""
         return feeds
 
-    def send(self, engine, version: int, client, source) -> None:
-        """One push through vLLM's trainer engine (collective)."""
-        engine.send_weights(version=version)
+    def send(self, engine, version: int, client, source, view=None) -> None:
+        """One push through vLLM's trainer engine (collective); ``view``: what it reads
+        (``source.Live`` or ``Frozen``; None: the units as they are)."""
+        engine.send_weights(version=version, view=view)
 
     def writer(self, info):
         """A feeding trainer rank's end of one engine's link, from its
@@ -92,13 +94,13 @@ class Tcp(Transport):
 class VllmOwn(Transport):
     """vLLM's own engines: the trainer's source, vLLM's packing and link."""
 
-    delta = False
+    delta = overlaps = False
 
     def client(self, feeds: list):
         """vLLM's: rank 0's one engine's client, None elsewhere."""
         return feeds[0].client if feeds else None
 
-    def send(self, engine, version: int, client, source) -> None:
+    def send(self, engine, version: int, client, source, view=None) -> None:
         if client is not None:
             client.version = str(version)
         t0 = time.perf_counter()

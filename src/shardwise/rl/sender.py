@@ -21,14 +21,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
-    TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
 )
@@ -36,10 +34,11 @@ from vllm.distributed.weight_transfer.base import (
 from .. import collectives as C
 from ..checkpoint.state import idle_world_runtime
 from ..runtime import require_idle
-from . import wire
+from . import packing
 from .clients import EngineError
 from .delta import Patch, Shadow
-from .source import Export, Gathered, Scratch, by_unit, exports, local_rows, readers
+from .init_info import ShardwiseTrainerInitInfo
+from .source import Export, Gathered, Live, Scratch, by_unit, exports, local_rows
 from .transport import transport
 
 
@@ -59,31 +58,16 @@ class ShardwiseSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.rt.mesh.first_replica():
             return
-        scratch = Scratch()
-        with readers(self.rt), torch.no_grad():
+        scratch, view = Scratch(), Live(self.rt)
+        with view.reading(), torch.no_grad():
             for unit, exps in self.groups:
-                gathered = Gathered(self.rt.units[unit], exps, scratch) if unit is not None else None
+                gathered = Gathered(view, unit, exps, scratch) if unit is not None else None
                 for e in exps:
                     out = torch.empty(e.numel, dtype=e.dtype, device=self.rt.device)
                     segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
                     for start, seg in segments:
                         out[start : start + seg.numel()].copy_(seg)
                     yield e.name, out.view(e.shape)
-
-
-@dataclass
-class ShardwiseTrainerInitInfo(TrainerInitInfo):
-    """The trainer's settings for the "shardwise" backend (``rank``: this trainer rank)."""
-
-    backend: ClassVar[str] = "shardwise"
-    transport: str = "shm"  # a shardwise transport's name (transport.TRANSPORTS)
-    delta: bool = False
-    bucket_bytes: int = 64 << 20  # staging memory per engine fed, two alternating halves
-    host: str = ""  # tcp: the address of this rank the engine's workers connect to
-    port: int = 0  # tcp: 0 picks a free port (the i-th engine this rank feeds: port + i)
-    workers: tuple[int, ...] = (1,)  # tcp: the workers (TP x PP x DP) of each engine this rank feeds
-    feeders: int = 1  # how many trainer ranks feed an engine (delta: each gets every change)
-    timeout: float = 60.0
 
 
 @dataclass
@@ -131,7 +115,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         info = self.info
         link = replace(info, port=info.port + i if info.port else 0, workers=info.workers[i])
         feed.writer = transport(info.transport).writer(link)
-        declared = [[e.name, wire.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
+        declared = [[e.name, packing.dtype_name(e.dtype), list(e.shape)] for e in self.source.exports]
         payload = {**feed.writer.init_info(), "tensors": declared, "delta": info.delta, "timeout": info.timeout}
         # tcp: both sides join the group at once. The engine checks the names first and
         # joins only if they fit; a refused handshake leaves the joining thread to time out.
@@ -141,31 +125,34 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         joined.result(timeout=info.timeout)
         feed.writer.connected()
 
-    def send_weights(self, version: int = 0) -> None:
+    def send_weights(self, version: int = 0, view: Live | None = None) -> None:
         """Push every weight (full) or what changed (delta, after a full push) to every engine;
         collective. Each engine's update is committed only when every engine got all of it:
-        otherwise every one is aborted."""
+        otherwise every one is aborted. ``view``: what is read (default: the units as they
+        are, between steps; a ``Frozen`` copy on a thread beside training)."""
         src, rt = self.source, self.source.rt
-        require_idle(rt, "VLLMSync.push")
+        if view is None:
+            require_idle(rt, "VLLMSync.push")
+            view = Live(rt)
         delta = self.info.delta and self.shadow.valid
         payload = sum(e.nbytes for e in src.exports)
         senders = [_Sender(f, version, payload, self.info.delta) for f in self.feeds]
         reads = rt.mesh.first_replica()
         problems = []
         try:
-            with readers(rt), torch.no_grad():
+            with view.reading(), torch.no_grad():
                 for unit, exps in src.groups:
-                    if _any_failed(senders):
+                    if _any_failed(senders, view.control):
                         break
                     if not reads:
                         continue
                     if delta:
-                        self._delta_unit(unit, exps, senders)
+                        self._delta_unit(view, unit, exps, senders)
                     else:
-                        self._full_unit(unit, exps, senders)
+                        self._full_unit(view, unit, exps, senders)
                 for sender in senders:
                     sender.guard(sender.drain)
-                if _any_failed(senders):  # every engine's update, or none
+                if _any_failed(senders, view.control):  # every engine's update, or none
                     for sender in senders:
                         sender.guard(_raise, EngineError("another engine's update failed: this one is aborted too"))
                 for sender in senders:
@@ -174,35 +161,33 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
             problems = [p for p in (s.close() for s in senders) if p]
             self.pause_seconds = max((s.paused for s in senders), default=0.0)
         try:
-            _agree("; ".join(problems), f"push of version {version} failed")
+            _agree("; ".join(problems), f"push of version {version} failed", view.control)
         except EngineError:
             self.shadow.reset()  # what the engines hold is unknown: the next push is a full one
             raise
         self.shadow.valid = self.info.delta
 
-    def _full_unit(self, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
-        gathered = Gathered(self.source.rt.units[unit], exps, self.scratch) if unit is not None else None
+    def _full_unit(self, view: Live, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
+        gathered = Gathered(view, unit, exps, self.scratch) if unit is not None else None
         for e in exps:
             for sender in senders:
-                segments = gathered.segments(e) if gathered else [(0, e.buffer.detach().view(-1))]
+                segments = gathered.segments(e) if gathered else [(0, view.buffer(e).view(-1))]
                 sender.guard(sender.packer.dense, e.name, e.dtype, e.shape, segments)
             if self.info.delta:
-                rows = local_rows(self.source.rt, e, gathered)
+                rows = local_rows(view, e, gathered)
                 if rows is not None:
                     self.shadow.store(self.index[e.name], rows[1], e.dtype)
 
-    def _delta_unit(self, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
-        rt = self.source.rt
+    def _delta_unit(self, view: Live, unit: int | None, exps: list[Export], senders: list[_Sender]) -> None:
         gathered = None
         if unit is not None and any(e.lora is not None for e in exps):
-            gathered = Gathered(rt.units[unit], exps, self.scratch)
+            gathered = Gathered(view, unit, exps, self.scratch)
         mine = []
         for e in exps:
-            rows = local_rows(rt, e, gathered)
+            rows = local_rows(view, e, gathered)
             if rows is not None:
                 mine += self.shadow.patch(self.index[e.name], rows[0], rows[1], e.dtype)
-        group = rt.units[unit].group if unit is not None else rt.mesh.shard
-        patches = _gather_patches(mine, group, everywhere=self.info.feeders > 1)
+        patches = _gather_patches(mine, view.group(unit), everywhere=self.info.feeders > 1)
         for p in patches if senders else []:
             e = self.source.exports[p.export]
             for sender in senders:
@@ -234,7 +219,7 @@ class _Sender:
         for i in range(len(self.writer.buffers)):
             self.free.put(i)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-push")
-        self.packer = wire.Packer(self.acquire, self.ship)
+        self.packer = packing.Packer(self.acquire, self.ship)
         self.sent = 0
         self.waited = 0.0  # blocked on the engine: a bucket to come back, the finish
         self.started = False
@@ -283,7 +268,7 @@ class _Sender:
         self.t_end = time.perf_counter()
         self.waited += self.t_end - t0
 
-    def acquire(self) -> wire.Bucket:
+    def acquire(self) -> packing.Bucket:
         t0 = time.perf_counter()
         while True:
             if self.error is not None:
@@ -293,14 +278,14 @@ class _Sender:
             except queue.Empty:
                 continue
             self.waited += time.perf_counter() - t0
-            return wire.Bucket(self.writer.buffers[i], i)
+            return packing.Bucket(self.writer.buffers[i], i)
 
-    def ship(self, bucket: wire.Bucket) -> None:
+    def ship(self, bucket: packing.Bucket) -> None:
         if not self.started:
             self.start()
         self.pool.submit(self._ship, bucket)
 
-    def _ship(self, bucket: wire.Bucket) -> None:
+    def _ship(self, bucket: packing.Bucket) -> None:
         if self.error is not None:
             return
         update = {"version": self.version, "bucket": bucket.index, "nbytes": bucket.used, "entries": bucket.entries}
@@ -349,21 +334,22 @@ def _run_into(fn, future: Future) -> None:
         future.set_exception(e)
 
 
-def _any_failed(senders: list[_Sender]) -> bool:
+def _any_failed(senders: list[_Sender], group=None) -> bool:
     """Every rank learns whether any rank's push to any engine has failed (one small
-    all-reduce)."""
+    all-reduce over ``group``, the world's)."""
     flag = torch.tensor([int(any(s.error is not None for s in senders))], dtype=torch.int32)
     if dist.get_world_size() > 1:
-        C.blocking("all_reduce", "push status", dist.all_reduce, flag, op=dist.ReduceOp.MAX)
+        C.blocking("all_reduce", "push status", dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def _agree(problem: str, what: str) -> None:
-    """Every rank's outcome on every rank: ``EngineError`` everywhere, or nothing."""
+def _agree(problem: str, what: str, group=None) -> None:
+    """Every rank's outcome on every rank (``group``: the world's): ``EngineError``
+    everywhere, or nothing."""
     every = [problem]
     if dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
-        C.blocking("all_gather", "push outcome", dist.all_gather_object, every, problem)
+        C.blocking("all_gather", "push outcome", dist.all_gather_object, every, problem, group=group)
     failed = [(rank, p) for rank, p in enumerate(every) if p]
     if failed:
         where = "" if problem else f" (reported by rank {failed[0][0]})"
