@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from shardwise.planner import repeats
-from shardwise.planner.cli import _hf
+from shardwise.planner.cli import hf_model
 from shardwise.planner.plan import plan
 from shardwise.wrap import auto
 
@@ -44,7 +44,7 @@ def main() -> None:
         repeats.FROM = 10**9
     rows = []
     for name in a.configs.split(","):
-        _, build, _, batch = _hf(str(CONFIGS / name), a.seq_len, 1)
+        _, build, _, batch = hf_model(str(CONFIGS / name), a.seq_len, 1)
         with torch.device("meta"):
             model = build()
         wrap = auto(model)

@@ -182,16 +182,18 @@ class Layout:
         if uniform:  # the rank-major tensor's column blocks, one per parameter
             widths = [s.numel_on(0) for s in self.slots]
             blocks = [seg.view(n, k) for seg, k in zip(torch.split(flat_full, [n * k for k in widths]), widths)]
-        per_rank = [
-            (self.sizes[r], [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)],
-             self._targets(flat_full, r))
-            for r in range(n)
-        ]
+        per_rank: list[tuple[int, list[int], list[torch.Tensor]]] = []  # (at the first rank by rank)
 
         def unpack(rows: Sequence[torch.Tensor] | torch.Tensor) -> None:
             if uniform and isinstance(rows, torch.Tensor):
                 torch.split_with_sizes_copy(rows.view(n, -1), widths, dim=1, out=blocks)
                 return
+            if not per_rank:  # (N x slots views: made when first needed, as an NCCL gather never does)
+                per_rank.extend(
+                    (self.sizes[r], [s.numel_on(r) for s in self.slots if s.owner is None or s.numel_on(r)],
+                     self._targets(flat_full, r))
+                    for r in range(n)
+                )
             for row, (size, sizes, targets) in zip(rows, per_rank):
                 torch.split_with_sizes_copy(row.view(-1)[:size], sizes, out=targets)
 
