@@ -170,11 +170,6 @@ def test_the_core_imports_no_room_and_not_the_job():
 # Circles that remain, each in its room and owned by the issue that reshapes that room; a new
 # circle fails, and so does a listed one that was broken (strike it from this list).
 KNOWN_CIRCLES = {
-    # save/load/convert dispatch to the DCP modules that build on them (function-level imports)
-    frozenset({"shardwise.checkpoint.saving", "shardwise.checkpoint.dcp_saving"}),
-    frozenset({"shardwise.checkpoint.conversion", "shardwise.checkpoint.dcp_conversion",
-               "shardwise.checkpoint.dcp_loading", "shardwise.checkpoint.loading",
-               "shardwise.checkpoint.native_conversion", "shardwise.checkpoint.pretrained"}),
     frozenset({"shardwise.ft.diloco", "shardwise.ft.replicas"}),  # DiLoCo's Torchft type (issue 41)
     frozenset({"shardwise.rl.trainer", "shardwise.rl.transport"}),  # issue 39's transport registry
     # issue 39: the push bench dispatches to its --nodes 2 and --engines modes, which reuse its parts
