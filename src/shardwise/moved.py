@@ -61,6 +61,8 @@ class _OldName(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
-    """Put the finder on ``sys.meta_path`` once (``import shardwise`` does)."""
+    """Put the finder first on ``sys.meta_path``, once (``import shardwise`` does): first, so
+    that ``shardwise.models.gpt``, whose parent is the moved package itself, is this alias of
+    its new home and not a second copy of it loaded from that package's folder."""
     if not any(isinstance(f, _OldName) for f in sys.meta_path):
-        sys.meta_path.append(_OldName())
+        sys.meta_path.insert(0, _OldName())

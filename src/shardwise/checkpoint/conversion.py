@@ -7,7 +7,6 @@ files, piece by piece in row order, with plain reads (no file is mapped into mem
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,10 +14,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from . import files
-from .index import CheckpointError, Index, TensorRecord, read_index
-
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+from .index import CheckpointError, TensorRecord, read_index, verified_headers
+from .weight_files import file_names, nbytes, split_files, write_weight_map
 
 
 def convert(
@@ -70,7 +67,7 @@ def convert(
     index = read_index(ckpt)
     headers = verified_headers(ckpt, index)
     tensors = [t for t in index.tensors.values() if t.kind in ("param", "buffer")]
-    groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
+    groups = split_files([nbytes(t) for t in tensors], max_shard_bytes)
     shards = [[tensors[i] for i in g] for g in groups]
     names = file_names(len(shards))
     out.mkdir(parents=True, exist_ok=True)
@@ -85,62 +82,6 @@ def convert(
             ]
             files.write(out / name, entries, metadata={"format": "pt"})
     return [out / name for name in names] + write_weight_map(out, names, shards)
-
-
-def verified_headers(ckpt: Path, index: Index) -> dict[str, tuple[int, dict]]:
-    """Each data file's safetensors header, once its size and CRC-32 match the index."""
-    headers = {}
-    for name, meta in index.files.items():
-        path = ckpt / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
-        size, crc = files.checksum(path)
-        if (size, crc) != (meta["bytes"], meta["crc32"]):
-            raise CheckpointError(
-                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
-                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
-            )
-        headers[name] = files.header(path)
-    return headers
-
-
-def split_files(sizes: list[int], max_bytes: int) -> list[list[int]]:
-    """Consecutive tensors (by their sizes in bytes) grouped into files of at most
-    ``max_bytes`` each (a larger tensor gets a file of its own); the indices per file."""
-    groups: list[list[int]] = [[]]
-    size = 0
-    for i, n in enumerate(sizes):
-        if groups[-1] and size + n > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += n
-    return groups
-
-
-def file_names(n: int) -> list[str]:
-    """Hugging Face's names for a model in ``n`` safetensors files."""
-    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
-def write_weight_map(out: Path, names: list[str], shards: list[list]) -> list[Path]:
-    """For more than one file, ``model.safetensors.index.json``: which file holds each tensor
-    (items with ``name``, ``dtype`` and ``shape``); the paths written."""
-    if len(names) == 1:
-        return []
-    weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-    total = sum(_nbytes(t) for shard in shards for t in shard)
-    (out / INDEX).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
-    return [out / INDEX]
-
-
-def _nbytes(t) -> int:
-    n = t.dtype.itemsize
-    for d in t.shape:
-        n *= d
-    return n
 
 
 def _bytes_of(t: TensorRecord, fds: dict[str, int], headers: dict[str, tuple[int, dict]]):

@@ -20,9 +20,8 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemWriter
 
 from . import commit, dcp, files
-from .conversion import verified_headers
 from .dcp_saving import Collect, Pieces, param_groups
-from .index import CheckpointError, Piece, TensorRecord, read_index
+from .index import CheckpointError, Piece, TensorRecord, read_index, verified_headers
 
 
 def _piece(handle, t: TensorRecord, p: Piece) -> torch.Tensor:

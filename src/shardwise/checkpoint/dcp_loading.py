@@ -24,7 +24,7 @@ from .. import collectives as C
 from ..policies import Sharding
 from . import dcp
 from .index import CheckpointError
-from .loading import CheckpointInfo, LoadPlan, agree_on_problems, listed
+from .load_plan import CheckpointInfo, LoadPlan, agree_on_problems, listed
 from .state import ParamSlot, idle_world_runtime, optimizers, param_slots, persistent_buffers
 
 _MODEL_PREFIXES = (dcp.MODEL, "")  # FSDP2's {"model": ...}, torchtitan's flattened model

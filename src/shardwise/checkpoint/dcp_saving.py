@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from .. import collectives as C
 from . import commit, dcp
+from .handle import SaveHandle
 from .index import CheckpointError, is_dcp
-from .saving import SaveHandle
 from .state import (
     idle_world_runtime,
     is_per_element,

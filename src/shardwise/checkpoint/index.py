@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import ShardwiseError
-from .files import dtype_name, dtype_of
+from .files import checksum, dtype_name, dtype_of, header
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 1
@@ -211,3 +211,20 @@ def storable_hyper(group: dict, where: str) -> dict:
             ) from e
         hyper[k] = v
     return hyper
+
+
+def verified_headers(ckpt: Path, index: Index) -> dict[str, tuple[int, dict]]:
+    """Each data file's safetensors header, once its size and CRC-32 match the index."""
+    headers = {}
+    for name, meta in index.files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt}: file {name} is missing")
+        size, crc = checksum(path)
+        if (size, crc) != (meta["bytes"], meta["crc32"]):
+            raise CheckpointError(
+                f"checkpoint {ckpt}: file {name} has {size} bytes and CRC-32 {crc}, the index "
+                f"records {meta['bytes']} bytes and {meta['crc32']}: it is truncated or corrupt"
+            )
+        headers[name] = header(path)
+    return headers

@@ -29,10 +29,10 @@ from ..errors import ShardwiseError
 from ..runtime import Runtime
 from ..unit import Unit
 from . import files
-from .conversion import file_names, split_files, write_weight_map
+from .handle import finish_pending
 from .index import CheckpointError
-from .saving import finish_pending
 from .state import idle_world_runtime, param_slots, persistent_buffers
+from .weight_files import file_names, nbytes, split_files, write_weight_map
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's name for an adapter's weights
 _PEFT_PREFIX = "base_model.model."  # where a peft model keeps the model it adapts
@@ -85,7 +85,7 @@ def save_pretrained(
         adapter_names, base_names = peft_names(model, tensors)
         adapter = [renamed(t, adapter_names[t.name]) for t in tensors if t.name in adapter_names]
         tensors = [renamed(t, base_names[t.name]) for t in tensors if t.name in base_names]
-    groups = split_files([_nbytes(t) for t in tensors], max_shard_bytes)
+    groups = split_files([nbytes(t) for t in tensors], max_shard_bytes)
     layout = [(n, [tensors[i] for i in g]) for n, g in zip(file_names(len(groups)), groups)]
     if peft:
         layout.append((ADAPTER_FILE, adapter))
@@ -170,13 +170,6 @@ def exported_tensors(model: nn.Module, rt: Runtime, dtype: torch.dtype | None) -
 
 def renamed(t: Exported, name: str) -> Exported:
     return Exported(name, t.dtype, t.shape, t.unit, t.index, t.buffer)
-
-
-def _nbytes(t: Exported) -> int:
-    n = t.dtype.itemsize
-    for d in t.shape:
-        n *= d
-    return n
 
 
 # --- peft

@@ -21,9 +21,8 @@ import dataclasses
 import functools
 import json
 import os
-import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import torch.nn as nn
 from .. import collectives as C
 from .. import groups
 from . import commit, files
+from .handle import SaveHandle, finish_pending, saves_of
 from .index import CheckpointError, Index, Piece, TensorRecord, rank_file, storable_hyper
 from .state import (
     ParamSlot,
@@ -46,61 +46,6 @@ from .state import (
     per_element_keys,
     persistent_buffers,
 )
-
-
-class SaveHandle:
-    """A save, finished or still being written: ``wait()`` returns the checkpoint's path once
-    it is committed, or raises the CheckpointError that stopped it (on every rank alike)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> Path:
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        return self.path
-
-    def _run(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as e:  # kept for wait(); a thread has nobody else to tell
-            self._error = e
-
-
-@dataclass
-class _Saves:
-    """A model's background save in flight (at most one) and the Gloo group such saves use."""
-
-    pending: SaveHandle | None = None
-    group: Any = None
-
-
-def _saves(model: nn.Module) -> _Saves:
-    if "_shardwise_saves" not in model.__dict__:
-        model._shardwise_saves = _Saves()
-    return model._shardwise_saves
-
-
-def finish_pending(model: nn.Module) -> None:
-    """Wait for the model's background save; raise its error unless ``wait()`` reported it."""
-    saves = _saves(model)
-    handle, saves.pending = saves.pending, None
-    if handle is None:
-        return
-    handle._thread.join()
-    if handle._error is not None and not handle._reported:
-        raise CheckpointError(
-            f"the background save to {handle.path} failed: {handle._error}"
-        ) from handle._error
 
 
 @dataclass
@@ -191,14 +136,10 @@ def save(
     if not async_:
         _write_and_commit(snap, tmp, path, group)
         return handle
-    saves = _saves(model)
+    saves = saves_of(model)
     if saves.group is None:  # collective, on the main thread of every rank alike
         saves.group = groups.background_group()
-    work = functools.partial(_write_and_commit, snap, tmp, path, saves.group)
-    handle._thread = threading.Thread(
-        target=handle._run, args=(work,), name=f"shardwise-save:{path.name}"
-    )
-    handle._thread.start()
+    handle.start(functools.partial(_write_and_commit, snap, tmp, path, saves.group))
     saves.pending = handle
     return handle
 
