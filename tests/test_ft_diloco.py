@@ -202,6 +202,33 @@ def test_a_group_killed_mid_round_is_dropped_and_comes_back_with_the_global_mode
         assert torch.equal(v, got[1]["params"][n]), n
 
 
+def test_streaming_diloco_group_killed_mid_round_comes_back_with_each_fragments_global_and_outer_state(jobs, slow_lighthouse):  # noqa: F811
+    """Two fragments (a sync every 2 of a round's 4 steps, issued 1 step early), int8 messages:
+    a rank of group 1 SIGKILLed between two fragment syncs; group 0 goes on alone, group 1 comes
+    back and heals at a fragment sync. It sits that sync out and holds the global parameters
+    of every fragment (not mixed with the old ones), and at the end every rank of both groups
+    holds bitwise the same global parameters and outer momentum, fragment by fragment, and
+    error feedback residuals of its own for both fragments."""
+    jobs.lighthouse = slow_lighthouse
+    cfg = {"steps": 16, "h": 4, "fragments": 2, "delay": 1, "comm": "int8", "pause": 0.3, "min_replicas": 1, "kill_in": 1}
+    a = jobs.start(0, restarts=0, script=__file__, **cfg)
+    b = jobs.start(1, restarts=1, script=__file__, kill=[5, 1], **cfg)  # rank 1, the 2nd round's 2nd step
+    assert [jobs.wait(a, 300), jobs.wait(b, 300)] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    assert [r for r in got[0]["rounds"] if r[1] == 1 and r[2]], got[0]["rounds"]  # (group 0 alone)
+    assert got[1]["run"] == "1" and got[1]["heal"] is not None and got[1]["heal"][1] > 0, got[1]
+    assert got[1]["heal"][0] > 5 and got[0]["step"] == got[1]["step"] >= 16, (got[1]["heal"], got[0]["step"])
+    for rank in (0, 1):
+        mine, theirs = (torch.load(jobs.out / f"g{g}-outer{rank}.pt") for g in (0, 1))
+        assert theirs["fresh"], "the healed group's parameters are not the global ones after the sync it sat out"
+        assert mine["outer"].keys() == theirs["outer"].keys()
+        for n, st in mine["outer"].items():
+            for k in ("global", "momentum_buffer"):
+                assert torch.equal(st[k], theirs["outer"][n][k]), f"rank {rank}: the groups' {k} of {n} differ"
+            # (each rank's own: what its messages dropped, in both fragments since it came back)
+            assert st["residual"].abs().sum() > 0 and not torch.equal(st["residual"], theirs["outer"][n]["residual"]), n
+
+
 class _OneGroup:
     """A manager alone in its quorum: the all-gather hands back this group's message."""
 
@@ -392,14 +419,19 @@ def main(cfg: dict) -> None:
         shardwise.load(saved.with_suffix(".outer"), model, opt.outer)
         ft.load_state_dict(torch.load(saved.with_suffix(f".ft{rank}")))
     kill, first_run = cfg.get("kill"), os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    rounds = []  # (ft.step, groups in the round's quorum, committed) at each round's end
-    # (with a kill, the jobs go on past ``steps`` until two rounds of both: the same on both)
-    while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-2:]] != [(2, True)] * 2):
+    every = h // cfg.get("fragments", 1)
+    rounds = []  # (ft.step, groups in the (fragment) sync's quorum, committed) at each sync
+    # (with a kill, the jobs go on past ``steps`` until a sync of every fragment after one of
+    # both groups (where a group that healed sits out): the same on both)
+    both = cfg.get("fragments", 1) + 1
+    while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-both:]] != [(2, True)] * both):
         assert ft.step < 40 * h, "the groups never trained together again"
         opt.zero_grad()
         if not rounds:  # (the first quorum is a round's end too)
             rounds.append((ft.step, ft.participants, True))
-        if kill and first_run and ft.step >= kill[0] and ft.step % H == 1 and rank == kill[1]:  # (mid-round, mid-backward)
+            # (where no group contributed, or this group healed and sat the sync out: the global ones)
+            fresh = all(torch.equal(p, opt.outer.state[p]["global"]) for p in opt.params)
+        if kill and first_run and ft.step >= kill[0] and ft.step % every == 1 and rank == kill[1]:  # (mid-round, mid-backward)
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world, scale=scaler)
         if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
@@ -408,7 +440,7 @@ def main(cfg: dict) -> None:
             committed = ft._phase is Phase.COMMITTED  # (the last round's vote)
         else:
             committed = opt.step()
-        if ft.step % h == 0 or not committed:
+        if ft.step % every == 0 or not committed:
             rounds.append((ft.step, ft.participants, committed))
         assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
         time.sleep(cfg.get("pause", 0.0))
@@ -417,6 +449,8 @@ def main(cfg: dict) -> None:
         shardwise.save(saved, model, opt)
         shardwise.save(saved.with_suffix(".outer"), model, opt.outer)
         torch.save(ft.state_dict(), saved.with_suffix(f".ft{rank}"))
+    outer_state = {opt.names[id(p)]: {k: v.clone() for k, v in opt.outer.state[p].items()} for p in opt.params}
+    torch.save({"outer": outer_state, "fresh": fresh}, Path(cfg["out"]) / f"g{cfg['group']}-outer{rank}.pt")
     full = shardwise.full_state_dict(model)
     residual, reloaded = 0.0, []
     if cfg.get("comm"):  # the outer state (its residual too) through a checkpoint

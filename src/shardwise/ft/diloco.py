@@ -75,7 +75,9 @@ inner steps before it is applied (wait, commit, outer step), so the all-reduce o
 steps' compute; the fragment's parameters then trained D steps past the pseudo-gradient, and
 take ``global + MIX * (local - global)`` with MIX = 1/2 (the paper's mixing, torchft's
 ``fragment_update_alpha`` = 1/2) rather than the bare global (which drops D steps of
-training; with D = 0 they take the global). A sync that does not commit puts the fragment
+training; with D = 0 they take the global). A group that healed at that sync's quorum
+trained nothing past it (its parameters are the old global ones): it takes the bare global,
+as mixing would take it halfway back to the old. A sync that does not commit puts the fragment
 back to its global parameters (as torchft does; ``ft.step`` goes back ``sync_every / F``
 steps). An encoded exchange (``comm``) is blocking at the issue: it does not overlap.
 
@@ -213,7 +215,8 @@ class DiLoCo:
         params = [self.params[i] for i in piece]
         backup = self._globals(params)
         with torch.no_grad():
-            trained = [p.detach().clone() for p in params] if self.delay and committed and anyone else None
+            mixed = self.delay and committed and anyone and not self.sitting_out  # (Note [streaming DiLoCo])
+            trained = [p.detach().clone() for p in params] if mixed else None
             if self._started and (anyone or not committed):  # (Note [resuming a checkpoint])
                 for p, b in zip(params, backup, strict=True):
                     p.copy_(b)
