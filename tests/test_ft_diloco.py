@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_ft import jobs, lighthouse  # noqa: F401 (fixtures)
+from test_ft import jobs, lighthouse, wait_for  # noqa: F401 (fixtures)
 
 H, ROUNDS, LR, OUTER = 3, 3, 1e-2, {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -132,6 +132,46 @@ def test_streaming_diloco_with_int8_messages_resumes_from_a_checkpoint_as_if_nev
         assert diff <= moved / 20, f"group {g} differs from one process's fp32 syncs by {diff} (moved {moved})"
         for n, v in whole[g]["params"].items():
             assert torch.equal(v, resumed[g]["params"][n]), f"group {g}'s {n} differs after resuming"
+
+
+def test_diloco_of_jobs_of_2_and_4_ranks_sharding_within_2_equals_one_process_weighting_by_ranks(jobs, lighthouse):  # noqa: F811
+    """Hybrid sharding over 2 ranks in both jobs, one of 2 ranks (one replica) and one of 4
+    (two replicas, whose second follows its first: Note [jobs of different sizes]): each
+    group's parameters equal one process's whose average weighs each group's
+    pseudo-gradient by its ranks (its tokens), 1:2."""
+    jobs.lighthouse = lighthouse
+    variant = {"strategy": "hybrid_shard", "shard_size": 2, "steps": H * ROUNDS}
+    procs = [jobs.start(g, nproc=n, restarts=0, script=__file__, **variant) for g, n in ((0, 2), (1, 4))]
+    assert [jobs.wait(p, 300) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    refs, moved, _ = reference(ranks=(2, 4))
+    (unweighted, _), _, _ = reference()
+    assert moved > 0.05, moved
+    for g in (0, 1):
+        assert got[g]["step"] == H * ROUNDS
+        diff = max((got[g]["params"][n] - refs[g][n]).abs().max().item() for n in refs[g])
+        assert diff <= 1e-5, f"group {g} differs from one process by {diff}"
+    # (the weights matter: an equal average of the same groups is far off)
+    assert max((refs[0][n] - unweighted[n]).abs().max().item() for n in unweighted) > 100 * 1e-5
+
+
+def test_diloco_job_sharding_over_other_ranks_is_refused_naming_the_fix_while_the_other_goes_on(jobs, lighthouse):  # noqa: F811
+    """A job of 2 ranks trains (full_shard); a job of 1 rank (full_shard too) joins: its shards
+    are not the others' rows, so no pseudo-gradient could be averaged row for row. It ends at
+    its first quorum with CannotHeal naming the difference and the fix (hybrid sharding within
+    a node); the first job goes on and ends its run normally, none hangs."""
+    jobs.lighthouse = lighthouse
+    cfg = {"steps": H, "min_replicas": 1, "timeout": 5, "pause": 0.1, "until": "g1-ended"}
+    a = jobs.start(0, nproc=2, restarts=0, script=__file__, **cfg)
+    wait_for(jobs, lambda: (jobs.out / "g0-step").exists() and int((jobs.out / "g0-step").read_text()) >= H, [a])
+    b = jobs.start(1, nproc=1, restarts=0, script=__file__, **{**cfg, "min_replicas": 2})
+    assert jobs.wait(b, 120) != 0, jobs.logs()
+    (jobs.out / "g1-ended").touch()
+    assert jobs.wait(a, 120) == 0, jobs.logs()
+    log = (jobs.out / "g1.log").read_text()
+    for says in ("CannotHeal", "its group runs 2 as ranks, this group 1", "hybrid sharding over the same shard size"):
+        assert says in log, log[-3000:]
+    assert torch.load(jobs.out / "g0-full.pt")["step"] >= H and not (jobs.out / "g1-full.pt").exists()
 
 
 @pytest.mark.parametrize(
@@ -341,10 +381,13 @@ def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitud
     assert CHUNK * 4 / codec.nbytes(CHUNK) > 100  # (fp32 bytes over the message's, a whole chunk)
 
 
-def reference(h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int = 0) -> tuple[list[dict], float, list]:
-    """One process: each group's inner steps on its own copy (with its own AdamW state); each
-    fragment's sync (every ``h / fragments`` inner steps, the fragments in turn) takes the
-    groups' mean pseudo-gradient of that fragment ``delay`` steps before it is applied, steps
+def reference(
+    h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int = 0, ranks: tuple[int, int] = (2, 2)
+) -> tuple[list[dict], float, list]:
+    """One process: each group's inner steps on its own copy (with its own AdamW state, on the
+    batch of its ``ranks``); each fragment's sync (every ``h / fragments`` inner steps, the
+    fragments in turn) takes the groups' mean pseudo-gradient of that fragment, weighted by
+    their ranks, ``delay`` steps before it is applied, steps
     the global parameters with Nesterov SGD, and sets each copy's fragment to them (mixed
     halfway with the copy's own where ``delay`` > 0). Returns each group's parameters, how far
     the global ones moved, and the fragments' names."""
@@ -365,14 +408,14 @@ def reference(h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int =
     every, sent = h // fragments, {}
     for step in range(h * rounds):
         for g, (model, opt) in enumerate(zip(copies, inner, strict=True)):
-            x, y = group_batch("tied", step, g, 2, 2)
+            x, y = group_batch("tied", step, g, 2, ranks[g])
             loss_of(model, x, y).backward()
             opt.step()
             opt.zero_grad()
         local, names = step % every + 1, pieces[(step // every) % fragments]
         mine = [dict(c.named_parameters()) for c in copies]
         if local == every - delay:
-            sent = {n: sum(dict(named)[n].detach() - m[n].detach() for m in mine) / len(mine) for n in names}
+            sent = {n: sum(r * (dict(named)[n].detach() - m[n].detach()) for r, m in zip(ranks, mine, strict=True)) / sum(ranks) for n in names}
         if local == every:
             for n in names:
                 dict(named)[n].grad = sent[n]
@@ -403,7 +446,7 @@ def main(cfg: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ft = shardwise.ft.Torchft(
         lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}",
-        min_replicas=cfg.get("min_replicas", 2), timeout=30, quorum_timeout=60,
+        min_replicas=cfg.get("min_replicas", 2), timeout=cfg.get("timeout", 30), quorum_timeout=60,
         max_failed_steps=200,  # (the first quorum waits for the other job to start)
     )
     options = {k: cfg[k] for k in ("strategy", "shard_size", "mixed_precision") if k in cfg}
@@ -424,8 +467,12 @@ def main(cfg: dict) -> None:
     # (with a kill, the jobs go on past ``steps`` until a sync of every fragment after one of
     # both groups (where a group that healed sits out): the same on both)
     both = cfg.get("fragments", 1) + 1
-    while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-both:]] != [(2, True)] * both):
-        assert ft.step < 40 * h, "the groups never trained together again"
+    while (
+        ft.step < cfg["steps"]
+        or ("kill_in" in cfg and [r[1:] for r in rounds[-both:]] != [(2, True)] * both)
+        or ("until" in cfg and not (Path(cfg["out"]) / cfg["until"]).exists())  # (the test says when)
+    ):
+        assert ft.step < 40 * h or "until" in cfg, "the groups never trained together again"
         opt.zero_grad()
         if not rounds:  # (the first quorum is a round's end too)
             rounds.append((ft.step, ft.participants, True))
@@ -442,7 +489,9 @@ def main(cfg: dict) -> None:
             committed = opt.step()
         if ft.step % every == 0 or not committed:
             rounds.append((ft.step, ft.participants, committed))
-        assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
+            if rank == 0:
+                (Path(cfg["out"]) / f"g{cfg['group']}-step").write_text(str(ft.step))
+        assert committed or "kill_in" in cfg or "until" in cfg, f"a round did not commit: {ft._manager.errored()}"
         time.sleep(cfg.get("pause", 0.0))
     if cfg.get("save"):  # after a (fragment) sync
         assert ft.step % (h // cfg.get("fragments", 1)) == 0, ft.step
