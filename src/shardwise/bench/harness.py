@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> None:
         from . import vllm_push
 
         return vllm_push.main([a for a in argv if a != "--vllm"])
+    if "--diloco" in argv:  # DiLoCo across the shaped link: a benchmark of its own (diloco)
+        from . import diloco
+
+        return diloco.main([a for a in argv if a != "--diloco"])
     if "--overhead" in argv:  # what a unit costs, per phase: a benchmark of its own (overhead)
         from . import overhead
 
