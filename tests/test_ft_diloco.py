@@ -270,24 +270,11 @@ def test_streaming_diloco_group_killed_mid_round_comes_back_with_each_fragments_
 
 
 class _OneGroup:
-    """A manager alone in its quorum: the all-gather hands back this group's message."""
+    """The groups as a rank alone in its quorum sees them: the all-gather hands back this
+    group's message."""
 
-    def __init__(self):
-        self._pg = self
-
-    def errored(self):
-        return None
-
-    def num_participants(self) -> int:
-        return 1
-
-    def allgather(self, out, inputs, opts):
-        out[0][0].copy_(inputs[0])
-        return _OneGroup.Done()
-
-    class Done:
-        def wait(self):
-            return True
+    def gather(self, message):
+        return [message.clone()]
 
 
 @pytest.mark.parametrize("comm", ["int8", "topk"])
@@ -295,44 +282,44 @@ def test_error_feedback_sends_what_a_message_drops_later(comm):
     """DiLoCo's own exchange (``_exchange_encoded``) of one pseudo-gradient, round after
     round: the mean of what arrived tends to it (the residual stays bounded), while one
     message alone is off by far more."""
-    from types import SimpleNamespace
-
-    from shardwise.ft.diloco import DiLoCo, codec_of
+    from shardwise.ft.feedback import Feedback, codec_of
 
     torch.manual_seed(0)
     params = [torch.zeros(300, 40), torch.zeros(2000)]
-    d = DiLoCo.__new__(DiLoCo)
-    d.ft, d.params, d.codec = SimpleNamespace(_manager=_OneGroup()), params, codec_of(comm)
-    d.sitting_out = False
-    d.outer = torch.optim.SGD(params, lr=1.0)
+    feedback = Feedback(codec_of(comm), torch.optim.SGD(params, lr=1.0), params)
     pseudo = torch.randn(14000) * torch.rand(14000) ** 4  # (magnitudes spread over decades)
     arrived, errors = torch.zeros_like(pseudo), {}
     for t in range(1, 201):
         flat = pseudo.clone()
-        d._exchange_encoded(flat)
+        feedback.exchange(_OneGroup(), flat, None, sitting_out=False)
         arrived += flat
         if t in (1, 200):
             errors[t] = ((arrived / t) - pseudo).abs().max().item()
     # sum of arrivals = t * pseudo - residual_t: the mean's error is the residual over t
-    assert torch.allclose(arrived, 200 * pseudo - d._residual(), atol=1e-3)
+    assert torch.allclose(arrived, 200 * pseudo - feedback.residual(), atol=1e-3)
     assert errors[200] < errors[1] / 20, errors
 
 
-class _BesideAnother(_OneGroup):
-    """A manager whose all-reduce (max) meets another group holding ``theirs``."""
+class _BesideAnother:
+    """The groups as a rank sees them whose all-reduce (max) meets another group holding ``theirs``."""
 
     def __init__(self, theirs: torch.Tensor):
-        super().__init__()
-        self.theirs = theirs
+        self.theirs, self.replica_id = theirs, "g1"
 
-    def allreduce(self, t: torch.Tensor, reduce_op=None):
+    def average(self, t: torch.Tensor, reduce_op=None):
         t.copy_(torch.maximum(t, self.theirs))
-        return _OneGroup.Done()
+        return _Done()
+
+    def errored(self) -> bool:
+        return False
+
+
+class _Done:
+    def wait(self):
+        return True
 
 
 def test_groups_holding_other_global_parameters_are_named_not_averaged():
-    from types import SimpleNamespace
-
     from shardwise.ft.diloco import DiLoCo
 
     d = DiLoCo.__new__(DiLoCo)
@@ -341,7 +328,7 @@ def test_groups_holding_other_global_parameters_are_named_not_averaged():
     for p, g in zip(d.params, [torch.full((3,), 0.5), torch.ones(2)], strict=True):
         d.outer.state[p]["global"] = g  # checksum 3.5
     for theirs, differs in ((3.5, False), (3.25, True)):
-        d.ft = SimpleNamespace(_manager=_BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64)), replica_id="g1")
+        d.ft = _BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64))
         problem = d._check_global()
         assert (problem is not None) == differs and (not differs or "other global parameters" in problem), problem
 
@@ -491,7 +478,7 @@ def main(cfg: dict) -> None:
             rounds.append((ft.step, ft.participants, committed))
             if rank == 0:
                 (Path(cfg["out"]) / f"g{cfg['group']}-step").write_text(str(ft.step))
-        assert committed or "kill_in" in cfg or "until" in cfg, f"a round did not commit: {ft._manager.errored()}"
+        assert committed or "kill_in" in cfg or "until" in cfg, f"a round did not commit (errored: {ft.leads and ft.errored()})"
         time.sleep(cfg.get("pause", 0.0))
     if cfg.get("save"):  # after a (fragment) sync
         assert ft.step % (h // cfg.get("fragments", 1)) == 0, ft.step

@@ -168,10 +168,11 @@ KNOWN_CIRCLES = {
     frozenset({"shardwise.checkpoint.conversion", "shardwise.checkpoint.dcp_conversion",
                "shardwise.checkpoint.dcp_loading", "shardwise.checkpoint.loading",
                "shardwise.checkpoint.native_conversion", "shardwise.checkpoint.pretrained"}),
-    frozenset({"shardwise.ft.diloco", "shardwise.ft.replicas"}),  # DiLoCo's Torchft type (issue 41)
     frozenset({"shardwise.rl.trainer", "shardwise.rl.transport"}),  # issue 39's transport registry
     # issue 39: the push bench dispatches to its --nodes 2 and --engines modes, which reuse its parts
     frozenset({"shardwise.bench.vllm_engines", "shardwise.bench.vllm_link", "shardwise.bench.vllm_push"}),
+    # issue 41: the bench dispatches to its --diloco mode, which reuses its workload and systems
+    frozenset({"shardwise.bench.diloco", "shardwise.bench.harness"}),
 }
 
 
