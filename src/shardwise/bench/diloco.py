@@ -17,7 +17,8 @@ after 2 untimed: its steps are alike):
 
 What crosses the link is read from node A's veth counters (bytes sent plus received, over the
 timed steps: everything, the lighthouse's heartbeats and quorums included), per token trained
-on both nodes. Writes OUT/diloco.json and OUT/diloco.md.
+on both nodes. Writes OUT/diloco.json (with each system's loss at every step: the mean of
+each node's first rank's) and OUT/diloco.md.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ def run_system(b: DilocoBench, name: str) -> dict:
                 lighthouse.wait()
     if any(codes):
         raise SystemExit(f"shardwise bench --diloco: {name} exited with {codes}: see {out}/diloco-{_slug(name)}-node*.log")
+    return row_of(out, name)
+
+
+def row_of(out: Path, name: str) -> dict:
+    """System ``name``'s row from its nodes' reports in ``out`` (each counts its own ranks' tokens)."""
     reports = [json.loads(p.read_text()) for p in sorted(out.glob(f"diloco-{_slug(name)}-node*.json"))]
     link_bytes = next(r["link_bytes"] for r in reports if r["node"] == 0)
     tokens = sum(r["tokens"] for r in reports)
@@ -133,7 +139,7 @@ def run_system(b: DilocoBench, name: str) -> dict:
         "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in reports),
         "link_bytes": link_bytes,
         "link_bytes_per_token": link_bytes / tokens,
-        "loss": [r["loss"] for r in reports],
+        "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in reports), strict=True)],  # (the nodes' mean)
     }
 
 
@@ -194,6 +200,7 @@ def worker(b: DilocoBench, name: str) -> None:
         api.shard(model, wrap=wrap.by_class(work.block), strategy="full_shard", fault_tolerance=ft)
         (inner,) = make_optimizers("shardwise/full_shard", model, work.block, "adamw")
         opt = inner if ft is None else ft.diloco(inner, sync_every=b.sync_every, comm=name.partition("+")[2])
+    losses = []
     for step, (x, y) in enumerate(work.batches):
         if step == warmup:  # (after the untimed steps: DiLoCo's first round, its sync included)
             dist.barrier()
@@ -202,13 +209,15 @@ def worker(b: DilocoBench, name: str) -> None:
         loss = work.loss(model, x, y)
         loss.backward()
         opt.step()
+        losses.append(loss.item())
     dist.barrier()
     seconds, sent = time.perf_counter() - t0, _link_bytes() - counted
     if ft is not None:
         ft.shutdown()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        report = {"node": node, "seconds": seconds, "tokens": work.tokens_per_step * steps,
-                  "link_bytes": sent, "loss": loss.item()}
+        mine = work.tokens_per_step * steps * b.nproc // world  # (this node's ranks')
+        report = {"node": node, "seconds": seconds, "tokens": mine,
+                  "link_bytes": sent, "losses": losses}
         Path(b.out, f"diloco-{_slug(name)}-node{node}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -233,7 +242,7 @@ def render(summary: dict) -> str:
     ]
     for name, r in rows.items():
         vs_alone = f"{r['tokens_per_s'] / alone['tokens_per_s']:.2f}x" if alone else "-"
-        fewer = f"{exact['link_bytes_per_token'] / r['link_bytes_per_token']:.0f}x" if exact and r["link_bytes_per_token"] else "-"
+        fewer = f"{exact['link_bytes_per_token'] / r['link_bytes_per_token']:.0f}x" if exact and name != "alone" else "-"
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {vs_alone} | {r['link_bytes_per_token']:.1f} | {fewer} |")
     return "\n".join(lines) + "\n"
 
