@@ -19,7 +19,7 @@ pytest.importorskip("torchft", reason="DiLoCo needs torchft: pip install -e '.[f
 
 @pytest.mark.skipif(bool(WHY), reason=f"two nodes on one machine: {WHY}")
 def test_diloco_bench_runs_tiny_across_a_shaped_link(tmp_path):
-    systems = ("alone", "shardwise/hybrid_shard", "diloco+topk")
+    systems = ("shardwise/hybrid_shard", "diloco+topk")
     cmd = [
         sys.executable, "-m", "shardwise", "bench", "--nodes", "2", "--diloco", "--model", "tiny", "--nproc", "1",
         "--sync-every", "2", "--rounds", "1", "--exact-steps", "1", "--batch-size", "1", "--seq-len", "16",
