@@ -9,6 +9,14 @@ final-loss ratios against exact communication to a JSON file:
 
 The final loss is the mean over the last ``--tail`` steps (one step's loss is one batch's,
 noisy); the last step alone is reported too.
+
+``--diloco``: exact hybrid sharding against DiLoCo with int8 and top-k pseudo-gradients
+(H = ``--sync-every``), two nodes of ``--nproc`` ranks in network namespaces (root): the runs
+of ``shardwise bench --nodes 2 --diloco`` (its systems and per-step losses, on a 10gbit link),
+``--steps`` rounded to whole rounds; each curve is the mean of each node's first rank's loss:
+
+    OMP_NUM_THREADS=1 python benchmarks/convergence.py --diloco --model-size tiny --steps 512 \
+        --sync-every 32 --out docs/convergence-diloco
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from pathlib import Path
 from shardwise import groups, train
 from shardwise.observer import charts
 
-COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c"}
+COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c",
+          "diloco+int8": "#2ca02c", "diloco+topk": "#d62728"}
+DILOCO = {"exact": "shardwise/hybrid_shard", "diloco+int8": "diloco+int8", "diloco+topk": "diloco+topk"}
 
 
 def main() -> None:
@@ -37,9 +47,13 @@ def main() -> None:
     p.add_argument("--tail", type=int, default=20, help="final loss: mean over this many last steps")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--out", default="convergence", help="writes OUT.json and OUT.png")
+    p.add_argument("--diloco", action="store_true", help="exact hybrid sharding against DiLoCo int8 and top-k")
+    p.add_argument("--sync-every", type=int, default=32, help="--diloco: DiLoCo's H")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(a.out)
+    if a.diloco:
+        return diloco(a, out)
     results = json.loads(out.with_suffix(".json").read_text()).get("runs", {}) if out.with_suffix(".json").exists() else {}
     for comm in a.comm:
         cfg = train.TrainConfig(
@@ -55,6 +69,28 @@ def main() -> None:
         }
         print(f"{comm}: final loss {losses[-1]:.4f} in {results[comm]['seconds']:.0f} s", flush=True)
         _write(out, a, results)
+
+
+def diloco(a, out: Path) -> None:
+    """``--diloco``: the three systems' per-step losses from ``shardwise bench --nodes 2 --diloco``."""
+    from shardwise.bench import diloco as bench
+
+    rounds = max(1, a.steps // a.sync_every - 1)  # (timed rounds, after an untimed one)
+    a.steps, a.strategy = (rounds + 1) * a.sync_every, f"2 nodes: hybrid_shard vs DiLoCo H={a.sync_every},"
+    runs = out.parent / f"{out.name}-runs"
+    t0 = time.perf_counter()
+    bench.main([
+        "--link", "10gbit", "--sync-every", str(a.sync_every), "--rounds", str(rounds),
+        "--exact-steps", str(a.steps - 2), "--model", a.model_size, "--nproc", str(a.nproc),
+        "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--systems", ",".join(DILOCO.values()),
+        "--out", str(runs),
+    ])
+    rows = json.loads((runs / "diloco.json").read_text())["rows"]
+    results = {
+        name: {"steps": list(range(1, a.steps + 1)), "losses": rows[system]["losses"], "seconds": time.perf_counter() - t0}
+        for name, system in DILOCO.items()
+    }
+    _write(out, a, results)
 
 
 def _write(out: Path, a, results: dict) -> None:

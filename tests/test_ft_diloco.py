@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_ft import jobs, lighthouse  # noqa: F401 (fixtures)
+from test_ft import jobs, lighthouse, wait_for  # noqa: F401 (fixtures)
 
 H, ROUNDS, LR, OUTER = 3, 3, 1e-2, {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -134,6 +134,46 @@ def test_streaming_diloco_with_int8_messages_resumes_from_a_checkpoint_as_if_nev
             assert torch.equal(v, resumed[g]["params"][n]), f"group {g}'s {n} differs after resuming"
 
 
+def test_diloco_of_jobs_of_2_and_4_ranks_sharding_within_2_equals_one_process_weighting_by_ranks(jobs, lighthouse):  # noqa: F811
+    """Hybrid sharding over 2 ranks in both jobs, one of 2 ranks (one replica) and one of 4
+    (two replicas, whose second follows its first: Note [jobs of different sizes]): each
+    group's parameters equal one process's whose average weighs each group's
+    pseudo-gradient by its ranks (its tokens), 1:2."""
+    jobs.lighthouse = lighthouse
+    variant = {"strategy": "hybrid_shard", "shard_size": 2, "steps": H * ROUNDS}
+    procs = [jobs.start(g, nproc=n, restarts=0, script=__file__, **variant) for g, n in ((0, 2), (1, 4))]
+    assert [jobs.wait(p, 300) for p in procs] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    refs, moved, _ = reference(ranks=(2, 4))
+    (unweighted, _), _, _ = reference()
+    assert moved > 0.05, moved
+    for g in (0, 1):
+        assert got[g]["step"] == H * ROUNDS
+        diff = max((got[g]["params"][n] - refs[g][n]).abs().max().item() for n in refs[g])
+        assert diff <= 1e-5, f"group {g} differs from one process by {diff}"
+    # (the weights matter: an equal average of the same groups is far off)
+    assert max((refs[0][n] - unweighted[n]).abs().max().item() for n in unweighted) > 100 * 1e-5
+
+
+def test_diloco_job_sharding_over_other_ranks_is_refused_naming_the_fix_while_the_other_goes_on(jobs, lighthouse):  # noqa: F811
+    """A job of 2 ranks trains (full_shard); a job of 1 rank (full_shard too) joins: its shards
+    are not the others' rows, so no pseudo-gradient could be averaged row for row. It ends at
+    its first quorum with CannotHeal naming the difference and the fix (hybrid sharding within
+    a node); the first job goes on and ends its run normally, none hangs."""
+    jobs.lighthouse = lighthouse
+    cfg = {"steps": H, "min_replicas": 1, "timeout": 5, "pause": 0.1, "until": "g1-ended"}
+    a = jobs.start(0, nproc=2, restarts=0, script=__file__, **cfg)
+    wait_for(jobs, lambda: (jobs.out / "g0-step").exists() and int((jobs.out / "g0-step").read_text()) >= H, [a])
+    b = jobs.start(1, nproc=1, restarts=0, script=__file__, **{**cfg, "min_replicas": 2})
+    assert jobs.wait(b, 120) != 0, jobs.logs()
+    (jobs.out / "g1-ended").touch()
+    assert jobs.wait(a, 120) == 0, jobs.logs()
+    log = (jobs.out / "g1.log").read_text()
+    for says in ("CannotHeal", "its group runs 2 as ranks, this group 1", "hybrid sharding over the same shard size"):
+        assert says in log, log[-3000:]
+    assert torch.load(jobs.out / "g0-full.pt")["step"] >= H and not (jobs.out / "g1-full.pt").exists()
+
+
 @pytest.mark.parametrize(
     ("pieces", "h", "fragments", "delay", "says"),
     [
@@ -202,25 +242,39 @@ def test_a_group_killed_mid_round_is_dropped_and_comes_back_with_the_global_mode
         assert torch.equal(v, got[1]["params"][n]), n
 
 
+def test_streaming_diloco_group_killed_mid_round_comes_back_with_each_fragments_global_and_outer_state(jobs, slow_lighthouse):  # noqa: F811
+    """Two fragments (a sync every 2 of a round's 4 steps, issued 1 step early), int8 messages:
+    a rank of group 1 SIGKILLed between two fragment syncs; group 0 goes on alone, group 1 comes
+    back and heals at a fragment sync. It sits that sync out and holds the global parameters
+    of every fragment (not mixed with the old ones), and at the end every rank of both groups
+    holds bitwise the same global parameters and outer momentum, fragment by fragment, and
+    error feedback residuals of its own for both fragments."""
+    jobs.lighthouse = slow_lighthouse
+    cfg = {"steps": 16, "h": 4, "fragments": 2, "delay": 1, "comm": "int8", "pause": 0.3, "min_replicas": 1, "kill_in": 1}
+    a = jobs.start(0, restarts=0, script=__file__, **cfg)
+    b = jobs.start(1, restarts=1, script=__file__, kill=[5, 1], **cfg)  # rank 1, the 2nd round's 2nd step
+    assert [jobs.wait(a, 300), jobs.wait(b, 300)] == [0, 0], jobs.logs()
+    got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
+    assert [r for r in got[0]["rounds"] if r[1] == 1 and r[2]], got[0]["rounds"]  # (group 0 alone)
+    assert got[1]["run"] == "1" and got[1]["heal"] is not None and got[1]["heal"][1] > 0, got[1]
+    assert got[1]["heal"][0] > 5 and got[0]["step"] == got[1]["step"] >= 16, (got[1]["heal"], got[0]["step"])
+    for rank in (0, 1):
+        mine, theirs = (torch.load(jobs.out / f"g{g}-outer{rank}.pt") for g in (0, 1))
+        assert theirs["fresh"], "the healed group's parameters are not the global ones after the sync it sat out"
+        assert mine["outer"].keys() == theirs["outer"].keys()
+        for n, st in mine["outer"].items():
+            for k in ("global", "momentum_buffer"):
+                assert torch.equal(st[k], theirs["outer"][n][k]), f"rank {rank}: the groups' {k} of {n} differ"
+            # (each rank's own: what its messages dropped, in both fragments since it came back)
+            assert st["residual"].abs().sum() > 0 and not torch.equal(st["residual"], theirs["outer"][n]["residual"]), n
+
+
 class _OneGroup:
-    """A manager alone in its quorum: the all-gather hands back this group's message."""
+    """The groups as a rank alone in its quorum sees them: the all-gather hands back this
+    group's message."""
 
-    def __init__(self):
-        self._pg = self
-
-    def errored(self):
-        return None
-
-    def num_participants(self) -> int:
-        return 1
-
-    def allgather(self, out, inputs, opts):
-        out[0][0].copy_(inputs[0])
-        return _OneGroup.Done()
-
-    class Done:
-        def wait(self):
-            return True
+    def gather(self, message):
+        return [message.clone()]
 
 
 @pytest.mark.parametrize("comm", ["int8", "topk"])
@@ -228,44 +282,44 @@ def test_error_feedback_sends_what_a_message_drops_later(comm):
     """DiLoCo's own exchange (``_exchange_encoded``) of one pseudo-gradient, round after
     round: the mean of what arrived tends to it (the residual stays bounded), while one
     message alone is off by far more."""
-    from types import SimpleNamespace
-
-    from shardwise.ft.diloco import DiLoCo, codec_of
+    from shardwise.ft.feedback import Feedback, codec_of
 
     torch.manual_seed(0)
     params = [torch.zeros(300, 40), torch.zeros(2000)]
-    d = DiLoCo.__new__(DiLoCo)
-    d.ft, d.params, d.codec = SimpleNamespace(_manager=_OneGroup()), params, codec_of(comm)
-    d.sitting_out = False
-    d.outer = torch.optim.SGD(params, lr=1.0)
+    feedback = Feedback(codec_of(comm), torch.optim.SGD(params, lr=1.0), params)
     pseudo = torch.randn(14000) * torch.rand(14000) ** 4  # (magnitudes spread over decades)
     arrived, errors = torch.zeros_like(pseudo), {}
     for t in range(1, 201):
         flat = pseudo.clone()
-        d._exchange_encoded(flat)
+        feedback.exchange(_OneGroup(), flat, None, sitting_out=False)
         arrived += flat
         if t in (1, 200):
             errors[t] = ((arrived / t) - pseudo).abs().max().item()
     # sum of arrivals = t * pseudo - residual_t: the mean's error is the residual over t
-    assert torch.allclose(arrived, 200 * pseudo - d._residual(), atol=1e-3)
+    assert torch.allclose(arrived, 200 * pseudo - feedback.residual(), atol=1e-3)
     assert errors[200] < errors[1] / 20, errors
 
 
-class _BesideAnother(_OneGroup):
-    """A manager whose all-reduce (max) meets another group holding ``theirs``."""
+class _BesideAnother:
+    """The groups as a rank sees them whose all-reduce (max) meets another group holding ``theirs``."""
 
     def __init__(self, theirs: torch.Tensor):
-        super().__init__()
-        self.theirs = theirs
+        self.theirs, self.replica_id = theirs, "g1"
 
-    def allreduce(self, t: torch.Tensor, reduce_op=None):
+    def average(self, t: torch.Tensor, reduce_op=None):
         t.copy_(torch.maximum(t, self.theirs))
-        return _OneGroup.Done()
+        return _Done()
+
+    def errored(self) -> bool:
+        return False
+
+
+class _Done:
+    def wait(self):
+        return True
 
 
 def test_groups_holding_other_global_parameters_are_named_not_averaged():
-    from types import SimpleNamespace
-
     from shardwise.ft.diloco import DiLoCo
 
     d = DiLoCo.__new__(DiLoCo)
@@ -274,7 +328,7 @@ def test_groups_holding_other_global_parameters_are_named_not_averaged():
     for p, g in zip(d.params, [torch.full((3,), 0.5), torch.ones(2)], strict=True):
         d.outer.state[p]["global"] = g  # checksum 3.5
     for theirs, differs in ((3.5, False), (3.25, True)):
-        d.ft = SimpleNamespace(_manager=_BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64)), replica_id="g1")
+        d.ft = _BesideAnother(torch.tensor([theirs, -theirs], dtype=torch.float64))
         problem = d._check_global()
         assert (problem is not None) == differs and (not differs or "other global parameters" in problem), problem
 
@@ -314,10 +368,13 @@ def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitud
     assert CHUNK * 4 / codec.nbytes(CHUNK) > 100  # (fp32 bytes over the message's, a whole chunk)
 
 
-def reference(h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int = 0) -> tuple[list[dict], float, list]:
-    """One process: each group's inner steps on its own copy (with its own AdamW state); each
-    fragment's sync (every ``h / fragments`` inner steps, the fragments in turn) takes the
-    groups' mean pseudo-gradient of that fragment ``delay`` steps before it is applied, steps
+def reference(
+    h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int = 0, ranks: tuple[int, int] = (2, 2)
+) -> tuple[list[dict], float, list]:
+    """One process: each group's inner steps on its own copy (with its own AdamW state, on the
+    batch of its ``ranks``); each fragment's sync (every ``h / fragments`` inner steps, the
+    fragments in turn) takes the groups' mean pseudo-gradient of that fragment, weighted by
+    their ranks, ``delay`` steps before it is applied, steps
     the global parameters with Nesterov SGD, and sets each copy's fragment to them (mixed
     halfway with the copy's own where ``delay`` > 0). Returns each group's parameters, how far
     the global ones moved, and the fragments' names."""
@@ -338,14 +395,14 @@ def reference(h: int = H, rounds: int = ROUNDS, fragments: int = 1, delay: int =
     every, sent = h // fragments, {}
     for step in range(h * rounds):
         for g, (model, opt) in enumerate(zip(copies, inner, strict=True)):
-            x, y = group_batch("tied", step, g, 2, 2)
+            x, y = group_batch("tied", step, g, 2, ranks[g])
             loss_of(model, x, y).backward()
             opt.step()
             opt.zero_grad()
         local, names = step % every + 1, pieces[(step // every) % fragments]
         mine = [dict(c.named_parameters()) for c in copies]
         if local == every - delay:
-            sent = {n: sum(dict(named)[n].detach() - m[n].detach() for m in mine) / len(mine) for n in names}
+            sent = {n: sum(r * (dict(named)[n].detach() - m[n].detach()) for r, m in zip(ranks, mine, strict=True)) / sum(ranks) for n in names}
         if local == every:
             for n in names:
                 dict(named)[n].grad = sent[n]
@@ -376,7 +433,7 @@ def main(cfg: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ft = shardwise.ft.Torchft(
         lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}",
-        min_replicas=cfg.get("min_replicas", 2), timeout=30, quorum_timeout=60,
+        min_replicas=cfg.get("min_replicas", 2), timeout=cfg.get("timeout", 30), quorum_timeout=60,
         max_failed_steps=200,  # (the first quorum waits for the other job to start)
     )
     options = {k: cfg[k] for k in ("strategy", "shard_size", "mixed_precision") if k in cfg}
@@ -392,14 +449,23 @@ def main(cfg: dict) -> None:
         shardwise.load(saved.with_suffix(".outer"), model, opt.outer)
         ft.load_state_dict(torch.load(saved.with_suffix(f".ft{rank}")))
     kill, first_run = cfg.get("kill"), os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    rounds = []  # (ft.step, groups in the round's quorum, committed) at each round's end
-    # (with a kill, the jobs go on past ``steps`` until two rounds of both: the same on both)
-    while ft.step < cfg["steps"] or ("kill_in" in cfg and [r[1:] for r in rounds[-2:]] != [(2, True)] * 2):
-        assert ft.step < 40 * h, "the groups never trained together again"
+    every = h // cfg.get("fragments", 1)
+    rounds = []  # (ft.step, groups in the (fragment) sync's quorum, committed) at each sync
+    # (with a kill, the jobs go on past ``steps`` until a sync of every fragment after one of
+    # both groups (where a group that healed sits out): the same on both)
+    both = cfg.get("fragments", 1) + 1
+    while (
+        ft.step < cfg["steps"]
+        or ("kill_in" in cfg and [r[1:] for r in rounds[-both:]] != [(2, True)] * both)
+        or ("until" in cfg and not (Path(cfg["out"]) / cfg["until"]).exists())  # (the test says when)
+    ):
+        assert ft.step < 40 * h or "until" in cfg, "the groups never trained together again"
         opt.zero_grad()
         if not rounds:  # (the first quorum is a round's end too)
             rounds.append((ft.step, ft.participants, True))
-        if kill and first_run and ft.step >= kill[0] and ft.step % H == 1 and rank == kill[1]:  # (mid-round, mid-backward)
+            # (where no group contributed, or this group healed and sat the sync out: the global ones)
+            fresh = all(torch.equal(p, opt.outer.state[p]["global"]) for p in opt.params)
+        if kill and first_run and ft.step >= kill[0] and ft.step % every == 1 and rank == kill[1]:  # (mid-round, mid-backward)
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world, scale=scaler)
         if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
@@ -408,15 +474,19 @@ def main(cfg: dict) -> None:
             committed = ft._phase is Phase.COMMITTED  # (the last round's vote)
         else:
             committed = opt.step()
-        if ft.step % h == 0 or not committed:
+        if ft.step % every == 0 or not committed:
             rounds.append((ft.step, ft.participants, committed))
-        assert committed or cfg.get("kill_in") is not None, f"a round did not commit: {ft._manager.errored()}"
+            if rank == 0:
+                (Path(cfg["out"]) / f"g{cfg['group']}-step").write_text(str(ft.step))
+        assert committed or "kill_in" in cfg or "until" in cfg, f"a round did not commit (errored: {ft.leads and ft.errored()})"
         time.sleep(cfg.get("pause", 0.0))
     if cfg.get("save"):  # after a (fragment) sync
         assert ft.step % (h // cfg.get("fragments", 1)) == 0, ft.step
         shardwise.save(saved, model, opt)
         shardwise.save(saved.with_suffix(".outer"), model, opt.outer)
         torch.save(ft.state_dict(), saved.with_suffix(f".ft{rank}"))
+    outer_state = {opt.names[id(p)]: {k: v.clone() for k, v in opt.outer.state[p].items()} for p in opt.params}
+    torch.save({"outer": outer_state, "fresh": fresh}, Path(cfg["out"]) / f"g{cfg['group']}-outer{rank}.pt")
     full = shardwise.full_state_dict(model)
     residual, reloaded = 0.0, []
     if cfg.get("comm"):  # the outer state (its residual too) through a checkpoint

@@ -169,9 +169,7 @@ def test_the_core_imports_no_room_and_not_the_job():
 
 # Circles that remain, each in its room and owned by the issue that reshapes that room; a new
 # circle fails, and so does a listed one that was broken (strike it from this list).
-KNOWN_CIRCLES = {
-    frozenset({"shardwise.ft.diloco", "shardwise.ft.replicas"}),  # DiLoCo's Torchft type (issue 41)
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def _circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:

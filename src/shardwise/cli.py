@@ -8,7 +8,7 @@ COMMANDS = {
     "train": ("shardwise.train", "train the built-in GPT with shardwise and report memory and bytes sent"),
     "plan": ("shardwise.planner.cli", "predict per-rank memory and bytes sent before launch, any model (no GPU needed)"),
     "report": ("shardwise.observer.report", "an HTML page of one traced step: timeline, memory, mechanism, figures"),
-    "bench": ("shardwise.bench.harness", "benchmark shardwise against FSDP2, DDP and the compute floor"),
+    "bench": ("shardwise.bench.cli", "benchmark shardwise against FSDP2, DDP and the compute floor"),
     "convert": ("shardwise.checkpoint.cli", "a checkpoint as a safetensors model or DCP, or DCP as a checkpoint (offline)"),
     "explore": ("shardwise.explore.server", "drive a real sharded training run from a web page (the [explore] extra)"),
     "lighthouse": ("shardwise.ft.lighthouse", "run torchft's lighthouse for fault-tolerant training across jobs (the [ft] extra)"),

@@ -150,6 +150,11 @@ class Unit:
         # outgoing gradient rows (Note [wire precision] in collectives.py); saved in checkpoints
         self.residuals: dict[str, torch.Tensor] = {}
 
+    def set_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Replace the error feedback residuals by ``residuals`` (by kind; empty: start
+        afresh), as fault tolerance does when a rank heals or a step is undone."""
+        self.residuals = dict(residuals)
+
     def _residual(self, kind: str, codec: Codec | None, numel: int, like: torch.Tensor) -> torch.Tensor | None:
         """The flat residual of ``kind`` (``numel`` zeros at first, in ``like``'s dtype and
         device) where this collective is encoded with error feedback; else None."""

@@ -227,14 +227,6 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison: under torchrun in its ranks, else in ``--nproc`` local ranks."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--vllm" in argv:  # weights into a vLLM engine: a benchmark of its own (vllm_main)
-        from . import vllm_main
-
-        return vllm_main.main([a for a in argv if a != "--vllm"])
-    if "--overhead" in argv:  # what a unit costs, per phase: a benchmark of its own (overhead)
-        from . import overhead
-
-        return overhead.main([a for a in argv if a != "--overhead"])
     cfg = parse_args(argv)
     if "RANK" in os.environ:
         results = run_rank(cfg)

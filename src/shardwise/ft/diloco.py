@@ -75,7 +75,9 @@ inner steps before it is applied (wait, commit, outer step), so the all-reduce o
 steps' compute; the fragment's parameters then trained D steps past the pseudo-gradient, and
 take ``global + MIX * (local - global)`` with MIX = 1/2 (the paper's mixing, torchft's
 ``fragment_update_alpha`` = 1/2) rather than the bare global (which drops D steps of
-training; with D = 0 they take the global). A sync that does not commit puts the fragment
+training; with D = 0 they take the global). A group that healed at that sync's quorum
+trained nothing past it (its parameters are the old global ones): it takes the bare global,
+as mixing would take it halfway back to the old. A sync that does not commit puts the fragment
 back to its global parameters (as torchft does; ``ft.step`` goes back ``sync_every / F``
 steps). An encoded exchange (``comm``) is blocking at the issue: it does not overlap.
 
@@ -93,17 +95,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions
 
 from ..checkpoint.state import param_slots
-from ..codecs import Codec
 from ..errors import ShardwiseError
 from .errors import FaultToleranceError
-from .topk import TopK2Bit
+from .feedback import Feedback, codec_of
 
 if TYPE_CHECKING:
     from .heal import Snapshot
-    from .replicas import Torchft
+    from .steps import Steps
 
 
 class DiLoCo:
@@ -121,17 +121,17 @@ class DiLoCo:
     a checkpoint])."""
 
     def __init__(
-        self, ft: Torchft, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer,
+        self, ft: Steps, inner: torch.optim.Optimizer, sync_every: int, outer: torch.optim.Optimizer,
         comm: str | None, fragments: int = 1, fragment_sync_delay: int = 0,
     ):
         self.ft, self.inner, self.outer, self.sync_every = ft, inner, outer, sync_every
-        self.codec = codec_of(comm)
         self.local = 0  # inner steps taken since the last (fragment) sync
         self.params = [p for g in inner.param_groups for p in g["params"]]
+        self.feedback = Feedback(codec_of(comm), outer, self.params) if comm is not None else None
         self.pieces = fragments_of(len(self.params), sync_every, fragments, fragment_sync_delay)
         self.every, self.delay = sync_every // fragments, fragment_sync_delay  # Note [streaming DiLoCo]
         self._pending: tuple | None = None  # the fragment sync issued and not yet applied
-        self.names = {id(s.tensor): s.name for s in param_slots(ft._runtime)}
+        self.names = {id(s.tensor): s.name for s in param_slots(ft.runtime)}
         for p in self.params:  # Note [the global parameters are outer state]
             self.outer.state[p]["global"] = p.detach().clone()
         self.sitting_out = False  # healed at this round's end: no pseudo-gradient of its own
@@ -141,7 +141,7 @@ class DiLoCo:
 
     # --- the loop's calls
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not self._started and self.ft.state_dict()["step"] > 0:  # Note [resuming a checkpoint]
+        if not self._started and self.ft.rounds > 0:  # Note [resuming a checkpoint]
             state = self.ft.state_dict()
             self.ft.load_state_dict({**state, "step": state["step"] - 1})
         while not self._started:  # Note [a round is one torchft step]: a round's end before any step
@@ -177,22 +177,21 @@ class DiLoCo:
         pseudo-gradient, issued (``_apply`` waits for it)."""
         ft = self.ft
         ft.begin_step()  # the quorum: a group behind heals here (took)
-        state = ft._manager.current_step() if ft._manager is not None else ft._quorum.step
-        piece = self.pieces[(state - 1) % len(self.pieces)]  # (the same on every group of the quorum)
-        residual_before = self._residual(piece) if self.codec is not None else None
+        piece = self.pieces[(ft.rounds - 1) % len(self.pieces)]  # (the same on every group of the quorum)
+        residual_before = self.feedback.residual(piece) if self.feedback is not None else None
         flat = self._pseudo_gradient(piece)
         share = self._contributing()
         # (the job's other replicas learn it from the first)
-        mismatch, anyone = ft._place.tell((self._mismatch, self._anyone) if share is not None else None)
+        mismatch, anyone = ft.tell((self._mismatch, self._anyone) if share is not None else None)
         if mismatch is not None:
             raise FaultToleranceError(mismatch)
         work = None
         if share is not None:
             flat.mul_(share)
-            if self.codec is None:
-                work = ft._manager.allreduce(flat)
+            if self.feedback is None:
+                work = ft.average(flat)
             else:  # (blocking: an encoded exchange does not overlap the delay's inner steps)
-                self._exchange_encoded(flat, piece)
+                self.feedback.exchange(ft, flat, piece, self.sitting_out)
                 work = Done()
         self._pending = (piece, flat, work, anyone, residual_before)
 
@@ -202,18 +201,16 @@ class DiLoCo:
         ft = self.ft
         piece, flat, work, anyone, residual_before = self._pending
         self._pending = None
-        if ft._place.replicas is not None:  # (the job's other replicas take the first's)
-            ft._place.share(work, flat).wait()
-        elif work is not None:
-            work.wait()
+        ft.followed(work, flat)  # (the job's other replicas take the first's)
         committed = ft.commit()
-        if not committed and self.codec is not None:  # (the residual as the sync found it)
-            self._set_residual(residual_before, piece)
+        if not committed and self.feedback is not None:  # (the residual as the sync found it)
+            self.feedback.set_residual(residual_before, piece)
         self.local = 0
         params = [self.params[i] for i in piece]
         backup = self._globals(params)
         with torch.no_grad():
-            trained = [p.detach().clone() for p in params] if self.delay and committed and anyone else None
+            mixed = self.delay and committed and anyone and not self.sitting_out  # (Note [streaming DiLoCo])
+            trained = [p.detach().clone() for p in params] if mixed else None
             if self._started and (anyone or not committed):  # (Note [resuming a checkpoint])
                 for p, b in zip(params, backup, strict=True):
                     p.copy_(b)
@@ -251,41 +248,6 @@ class DiLoCo:
                 offset += p.numel()
         return flat
 
-    def _exchange_encoded(self, flat: torch.Tensor, piece: range | None = None) -> None:
-        """The groups' average of ``flat`` (this group's share), each group sending it encoded
-        with its error feedback residual added (Note [error feedback across rounds]): an
-        all-gather of the messages over the manager's process group, errors reported to the
-        manager (the round does not commit), as ``Manager.allreduce`` does."""
-        m, n = self.ft._manager, flat.numel()
-        if self.sitting_out:  # (zeros, and the residual kept for a round it takes part in)
-            message = self.codec.encode(flat)
-        else:
-            keep = flat + self._residual(piece)
-            message = self.codec.encode(keep)
-            self._set_residual(keep - self.codec.decode(message, n), piece)
-        if m.errored() is not None:
-            return
-        received = [torch.empty_like(message) for _ in range(m.num_participants())]
-        try:
-            m._pg.allgather([received], [message], AllgatherOptions()).wait()
-        except Exception as e:  # (a group lost in the round)
-            m.report_error(e)
-            return
-        flat.zero_()
-        for r in received:
-            flat.add_(self.codec.decode(r, n))
-        flat.div_(len(received))
-
-    def _residual(self, piece: range | None = None) -> torch.Tensor:
-        """This rank's error feedback residual of a fragment (all parameters where None), flat
-        (kept per parameter in the outer optimizer's state: checkpoints save it with that state)."""
-        params = self.params if piece is None else [self.params[i] for i in piece]
-        parts = [self.outer.state[p].get("residual") for p in params]
-        return torch.cat([
-            (r.float() if r is not None else torch.zeros_like(p, dtype=torch.float32)).reshape(-1)
-            for r, p in zip(parts, params, strict=True)
-        ]) if params else torch.zeros(0)
-
     def _globals(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The global parameters of ``params`` (Note [the global parameters are outer state]);
         where a loaded outer state has none (saved before it held them, at a round's end with
@@ -295,22 +257,16 @@ class DiLoCo:
                 self.outer.state[p]["global"] = p.detach().clone()
         return [self.outer.state[p]["global"] for p in params]
 
-    def _set_residual(self, flat: torch.Tensor, piece: range | None = None) -> None:
-        offset = 0
-        for p in self.params if piece is None else [self.params[i] for i in piece]:
-            self.outer.state[p]["residual"] = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-
     def _contributing(self) -> float | None:
         """On a rank that runs a manager: the factor on its pseudo-gradient, so that the
         groups' average is taken over those that contribute, each weighted by its ranks (Note
         [jobs of different sizes]); None elsewhere."""
         ft = self.ft
-        if ft._manager is None:
+        if not ft.leads:
             return None
-        mine = 0.0 if self.sitting_out else ft._quorum.weight
+        mine = 0.0 if self.sitting_out else ft.weight
         seen = torch.tensor([mine], dtype=torch.float64)
-        ft._manager.allreduce(seen).wait()
+        ft.average(seen).wait()
         self._mismatch, self._anyone = self._check_global(), seen.item() > 0
         return mine / seen.item() if seen.item() > 0 else 0.0
 
@@ -318,11 +274,10 @@ class DiLoCo:
         """Note [one global model]: every group in the quorum must hold the same global
         parameters; a checksum of them, as its largest and smallest over the groups (one
         all-reduce of two numbers), says whether they do."""
-        m = self.ft._manager
         total = sum((b.double().sum() for b in self._globals(self.params)), torch.zeros((), dtype=torch.float64))
         seen = torch.stack([total, -total])
-        m.allreduce(seen, reduce_op=dist.ReduceOp.MAX).wait()
-        if m.errored() is None and seen[0] != -seen[1]:
+        self.ft.average(seen, reduce_op=dist.ReduceOp.MAX).wait()
+        if not self.ft.errored() and seen[0] != -seen[1]:
             return (
                 f"group '{self.ft.replica_id}' holds other global parameters than another group of "
                 "this round's quorum (a group that joined during the first round, or whose first "
@@ -373,18 +328,6 @@ def fragments_of(pieces: int, sync_every: int, fragments: int, delay: int) -> li
             f"issued, before the next fragment's: an int in [0, sync_every / fragments = {sync_every // fragments})"
         )
     return [range(i * pieces // fragments, (i + 1) * pieces // fragments) for i in range(fragments)]
-
-
-def codec_of(comm: str | None):
-    """The encoding of the pseudo-gradients: None (fp32), "int8" (shardwise's blockwise int8,
-    codecs.py) or "topk" (SparseLoCo's top-k with 2-bit values, ft/topk.py)."""
-    if comm is None:
-        return None
-    if comm == "int8":
-        return Codec("int8")
-    if comm == "topk":
-        return TopK2Bit()
-    raise ShardwiseError(f"ft.diloco(comm={comm!r}): one of None (fp32), 'int8' or 'topk'")
 
 
 class Done:

@@ -127,7 +127,7 @@ def restore_transient(rt: Runtime, scaler, kept: Transient) -> None:
         for name, b in persistent_buffers(rt.root).items():
             b.copy_(kept.buffers[name])
     for i, unit in enumerate(rt.units):
-        unit.residuals = {kind: t.clone() for (j, kind), t in kept.residuals.items() if j == i}
+        unit.set_residuals({kind: t.clone() for (j, kind), t in kept.residuals.items() if j == i})
     if scaler is not None and kept.scaler is not None:
         scaler.load_state_dict(kept.scaler)
 
@@ -175,7 +175,7 @@ def apply(
         for g, hyper in zip(o.param_groups, saved["hyper"]):
             g.update(hyper)
     for unit in rt.units:  # (this group's own, see the module's docstring)
-        unit.residuals = {}
+        unit.set_residuals({})
     if scaler is not None and state.scaler is not None:
         scaler.load_state_dict(state.scaler)
 

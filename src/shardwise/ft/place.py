@@ -59,5 +59,7 @@ class _Shared:
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        C.broadcast(self.tensor, 0, self.replicas, "torchft average").wait()
+        # (kept out of the step check's digest: each shard index broadcasts its own shard's size)
+        src = dist.get_global_rank(self.replicas, 0)
+        C.blocking("broadcast", "torchft average", dist.broadcast, self.tensor, src, group=self.replicas)
         return True

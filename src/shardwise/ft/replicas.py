@@ -42,8 +42,9 @@ from torchft.manager import Manager
 from ..errors import ShardwiseError
 from ..runtime import runtime_of
 from . import heal
-from .diloco import DiLoCo, Done, codec_of, fragments_of, nesterov, outer_optimizer_of
+from .diloco import DiLoCo, Done, fragments_of, nesterov, outer_optimizer_of
 from .errors import FaultToleranceError
+from .feedback import codec_of
 from .lighthouse import url as lighthouse_url
 from .place import Place
 from .quorum import Phase, Quorum
@@ -121,25 +122,9 @@ class Torchft(Steps):
     def step(self) -> int:
         """Committed steps so far (the same on every live group once ``zero_grad`` returned).
         Under ``diloco``, inner steps: those of the committed rounds and of this round."""
-        step = self._manager.current_step() if self._manager is not None else self._quorum.step
         if self._diloco is None:
-            return step
-        return max(0, step - 1) * self._diloco.every + self._diloco.local  # Note [a round is one torchft step]
-
-    @property
-    def participants(self) -> int:
-        """Replica groups in the current quorum."""
-        return self._manager.num_participants() if self._manager is not None else self._quorum.participants
-
-    def state_dict(self) -> dict[str, int]:
-        """The committed step (and torchft's count of batches): save it with a checkpoint."""
-        return self._manager.state_dict() if self._manager is not None else dict(self._quorum.state)
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume the step count of a checkpoint (``state_dict``) before the first step."""
-        if self._manager is not None:
-            self._manager.load_state_dict(state)
-        self._quorum = Quorum(self._quorum.participants, dict(state), self._quorum.weight)
+            return self.rounds
+        return max(0, self.rounds - 1) * self._diloco.every + self._diloco.local  # Note [a round is one torchft step]
 
     def optimizer(self, *optimizers: torch.optim.Optimizer) -> FaultTolerantOptimizer:
         """Wrap the model's optimizers (e.g. Muon and AdamW): ``zero_grad`` joins the quorum,

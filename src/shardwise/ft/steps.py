@@ -19,6 +19,7 @@ from .. import groups
 from ..checkpoint.state import param_slots
 from ..errors import ShardwiseError
 from . import heal
+from .across import Across
 from .errors import CannotHeal, FaultToleranceError, LighthouseUnreachable
 from .lighthouse import local_address
 from .place import Place
@@ -47,7 +48,7 @@ class Heal:
     seconds: float  # from asking for the state to having it in place
 
 
-class Steps:
+class Steps(Across):
     """The step's machinery and state; ``Torchft`` sets the settings and the fields below."""
 
     lighthouse: str
