@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from outer_groups import build, forward_backward, options_of, rank_state, residuals
+from plain_groups import build, forward_backward, options_of, rank_state, residuals
 
 import shardwise
 import shardwise.ft

@@ -89,7 +89,7 @@ def test_bench_hybrid_against_fsdp2_hsdp_on_the_same_mesh(pools, tmp_path):
     assert counted == {
         "all_gather": ours["all_gather"],
         "reduce_scatter": ours["reduce_scatter"],
-        "all_reduce": ours["replica_all_reduce"] + ours["step_check"],
+        "all_reduce": ours["replicate_all_reduce"] + ours["step_check"],
     }
     # across the replicas both move the same bytes: each rank's reduced shard, all-reduced
     assert counted["all_reduce"] - ours["step_check"] == hsdp["bytes_by_kind"]["all_reduce"]

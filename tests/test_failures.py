@@ -136,7 +136,7 @@ def die_in_replica_all_reduce():
         all_reduce = collectives.all_reduce
 
         def die_first(*args, **kwargs):
-            if kwargs.get("kind") == "replica_all_reduce":
+            if kwargs.get("kind") == "replicate_all_reduce":
                 os._exit(7)
             return all_reduce(*args, **kwargs)
 
@@ -159,6 +159,6 @@ def test_dead_peer_ends_every_hybrid_survivor_within_the_timeout():
     for o in (out[0], out[1], out[3]):
         assert not o.ok and o.error_type.endswith("CollectiveError"), o
         assert "rank 2: no answer" in o.error_message, o.error_message
-    assert "replica_all_reduce for unit 'blocks." in out[0].error_message, out[0].error_message
+    assert "replicate_all_reduce for unit 'blocks." in out[0].error_message, out[0].error_message
     # (the shard and replicate groups take the default group's timeout, not torch's 30 minutes)
     assert elapsed < GROUP_TIMEOUT + 20, elapsed

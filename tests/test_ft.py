@@ -4,7 +4,7 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
 - A group killed mid-step (SIGKILL of one rank in the middle of its backward) is dropped while
   the other goes on; torchrun restarts it and it heals from the live group, rank for rank. No
   committed step is repeated or skipped, both groups end bitwise equal, and equal, bitwise, to
-  a replay of the same participation record without any failure (outer_groups.replay, in the
+  a replay of the same participation record without any failure (plain_groups.replay, in the
   pool of 4 ranks standing for the two jobs).
   The state includes fp16's loss scale, int8's error feedback residuals and owned matrices.
 - Jobs of different sizes (1 rank and 2, hybrid sharding within a "node" of one rank): the
@@ -37,7 +37,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers (here and in the 
 pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip install -e '.[ft]'")
 
 import torch
-from outer_groups import replay
+from plain_groups import replay
 
 from shardwise.addresses import free_port
 
@@ -271,7 +271,7 @@ def replay_alone(record: list, saved: dict) -> tuple[float, float]:
     did) up to the step ``saved`` was taken at; its largest difference from ``saved``'s
     parameters, and how far training moved them."""
     from nets import loss_of, make
-    from outer_groups import group_batch
+    from plain_groups import group_batch
 
     ref = make("tied")
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}

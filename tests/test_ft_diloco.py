@@ -379,7 +379,7 @@ def reference(
     halfway with the copy's own where ``delay`` > 0). Returns each group's parameters, how far
     the global ones moved, and the fragments' names."""
     from nets import loss_of, make
-    from outer_groups import group_batch
+    from plain_groups import group_batch
 
     from shardwise.ft.diloco import MIX, fragments_of
 
@@ -423,7 +423,7 @@ def main(cfg: dict) -> None:
     """One rank of job ``cfg['group']``: DiLoCo with the test's rounds, then its full
     parameters (rank 0) in ``out/g<group>-full.pt``."""
     import torch.distributed as dist
-    from outer_groups import build, forward_backward
+    from plain_groups import build, forward_backward
 
     import shardwise
     import shardwise.ft

@@ -53,15 +53,15 @@ def bytes_per_step(strategy, shard_size, steps=2):
     stats = counted_steps(model, steps)
     rt = model._shardwise
     s, r = shard_size, 4 // shard_size
-    expected = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
+    expected = {"all_gather": 0, "reduce_scatter": 0, "replicate_all_reduce": 0}
     for u in shardwise.units(model):
         gathers = 2 if rt.sharding.reshard_after_forward and not u.is_root else 1
         expected["all_gather"] += gathers * (u.layout.unsharded_numel * 4) * (s - 1) // s
         expected["reduce_scatter"] += (u.grad_layout.unsharded_numel * 4) * (s - 1) // s
-        expected["replica_all_reduce"] += 2 * (u.grad_layout.sizes[u.rank] * 4) * (r - 1) // r
+        expected["replicate_all_reduce"] += 2 * (u.grad_layout.sizes[u.rank] * 4) * (r - 1) // r
     measured = {k: stats[k].bytes // steps for k in expected}
     padded = sum(u.grad_layout.unsharded_numel for u in shardwise.units(model))
-    calls = stats["replica_all_reduce"].calls // steps
+    calls = stats["replicate_all_reduce"].calls // steps
     return measured, expected, padded, calls, stats["all_reduce"].bytes
 
 
@@ -72,7 +72,7 @@ def test_bytes_on_each_link_equal_theory(pools, strategy, shard_size):
     assert measured == expected
     s, r, b = shard_size, 4 // shard_size, 4
     # across shard groups: 2 psi b (R-1)/(R S), psi counted with its padding rows
-    assert measured["replica_all_reduce"] == pytest.approx(2 * padded * b * (r - 1) / (r * s), abs=8)
+    assert measured["replicate_all_reduce"] == pytest.approx(2 * padded * b * (r - 1) / (r * s), abs=8)
     assert calls == (3 + 1 if r > 1 else 0)  # one all-reduce per unit (3 blocks and the root)
     assert all_reduce == 0
 
@@ -103,7 +103,7 @@ def hybrid_against_full_shard(options: dict, micro: int = 1, clip: float | None 
             opt.zero_grad()
             losses.append(global_mean(loss))
         stats = shardwise.comm_stats()
-        runs.append((losses, shardwise.full_state_dict(model), norms, stats["replica_all_reduce"].calls))
+        runs.append((losses, shardwise.full_state_dict(model), norms, stats["replicate_all_reduce"].calls))
     return runs if dist.get_rank() == 0 else None
 
 
@@ -188,7 +188,7 @@ def test_bad_layouts_are_named_with_the_fix(pools):
 def layout_of_hybrid():
     model = shardwise.shard(make("tied"), wrap=wrap_policy("by_class", "tied"), strategy="hybrid_shard", shard_size=2)
     u = next(u for u in shardwise.units(model) if isinstance(u, ShardedUnit))
-    return dist.get_rank(), u.rank, u.world, u.replicas, [p.shape for p in u.shard_params]
+    return dist.get_rank(), u.rank, u.world, u.replicate_size, [p.shape for p in u.shard_params]
 
 
 def test_each_rank_holds_one_half_replicated_across_groups(pools):

@@ -1,8 +1,8 @@
 """The seam for replica groups outside the job (shardwise.replica_groups, ``shard(fault_tolerance=...)``),
 without torchft: a pool of 4 ranks stands for 2 jobs of 2 ranks whose rank r average with each
-other through a plain group (outer_groups.PlainGroups). Every strategy trains like one process
+other through a plain group (plain_groups.PlainGroups). Every strategy trains like one process
 on the groups' batches that take part in each step, the groups stay bitwise equal, and the
-average across groups is booked as ``outer_all_reduce``."""
+average across groups is booked as ``replica_groups_all_reduce``."""
 
 import copy
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from nets import loss_of, make
-from outer_groups import (
+from plain_groups import (
     GROUP_SIZE,
     PlainGroups,
     build,
@@ -46,7 +46,7 @@ def train_with_groups(kind: str, strategy: str, record, lr: float = 1e-2, **opti
         loss_of(ref, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    stats = shardwise.comm_stats()["outer_all_reduce"]
+    stats = shardwise.comm_stats()["replica_groups_all_reduce"]
     full = shardwise.full_state_dict(model, rank0_only=False)
     diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     moved = max((start[k] - v).abs().max().item() for k, v in ref.state_dict().items())

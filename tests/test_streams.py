@@ -111,7 +111,7 @@ def _check_rules(log, held, offload):
     recorded = {}  # event id -> (stream, unit of the collective before it)
     last_collective = {}  # stream -> unit label
     fresh = dict.fromkeys(side, False)  # a side stream waited for compute since its last work
-    counts = {"all_gather": 0, "reduce_scatter": 0, "replica_all_reduce": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "replicate_all_reduce": 0}
     for i, entry in enumerate(log):
         kind = entry[0]
         if kind == "wait_stream":
@@ -120,7 +120,7 @@ def _check_rules(log, held, offload):
                 fresh[stream] = True  # rule 1
             elif other in side:  # through copy_in, which waited for compute
                 fresh[stream], fresh[other] = fresh[other], False
-        elif kind == "event" and entry[1] == "collective" and entry[3] == "replica_all_reduce":
+        elif kind == "event" and entry[1] == "collective" and entry[3] == "replicate_all_reduce":
             _, _, unit, what, current = entry  # hybrid: after the reduce-scatter, on its stream
             assert current == "reduce" and last_collective.get("reduce") == unit, entry
             counts[what] += 1
@@ -180,7 +180,7 @@ def test_stream_branch_keeps_the_ordering_rules_and_matches(pools, strategy, mp,
             assert torch.equal(v, s_full[k]), k
         counts = _check_rules(log, held, offload)
         assert counts["all_gather"] >= 8 and counts["reduce_scatter"] >= 8  # 4 units, 2 steps
-        assert counts["replica_all_reduce"] == (8 if strategy.startswith("hybrid") else 0)
+        assert counts["replicate_all_reduce"] == (8 if strategy.startswith("hybrid") else 0)
         assert not any(e[0] == "wait_event" for e in cpu[0][2])  # the CPU branch uses none
 
 

@@ -299,14 +299,14 @@ def test_hybrid_trace_shows_both_links(pools):
     psi, b, s, r = f["psi"], 4, 2, 2
     assert f["theory"]["all_gather"] == 2 * psi * b * (s - 1) // s
     assert f["theory"]["reduce_scatter"] == psi * b * (s - 1) // s
-    assert f["theory"]["replica_all_reduce"] == 2 * psi * b * (r - 1) // (r * s)
+    assert f["theory"]["replicate_all_reduce"] == 2 * psi * b * (r - 1) // (r * s)
     links = f["links"]
     for rank, (_, stats) in enumerate(out):
         sent = f["sent"][rank]  # the step's bytes, each kind over its own group's size
-        for kind in ("all_gather", "reduce_scatter", "replica_all_reduce", "step_check"):
+        for kind in ("all_gather", "reduce_scatter", "replicate_all_reduce", "step_check"):
             assert sent[kind] == stats[kind].bytes // 2, (rank, kind)  # two identical steps
         assert links["within"][rank] == sent["all_gather"] + sent["reduce_scatter"]
-        assert links["across"][rank] == sent["replica_all_reduce"]
+        assert links["across"][rank] == sent["replicate_all_reduce"]
         # within padding rows of the theory (and the kept units' single gathers, within)
         across = links["theory_across"]
         assert across <= links["across"][rank] <= 1.05 * across

@@ -25,7 +25,7 @@ def expected_replica_bytes(model, codec) -> int:
     total = 0
     for u in shardwise.units(model):
         n = u.grad_layout.sizes[u.rank]
-        assert u.replicas == 2
+        assert u.replicate_size == 2
         total += 4 * n if codec is None else codec.nbytes(n)
     return total
 
@@ -47,7 +47,7 @@ def run(comm: str | None, steps: int = 4) -> dict:
     return {
         "losses": losses,
         "seconds": time.perf_counter() - t0,
-        "replica_bytes": stats["replica_all_reduce"].bytes // (steps - 1),
+        "replica_bytes": stats["replicate_all_reduce"].bytes // (steps - 1),
         "expected": expected_replica_bytes(model, Codec(comm) if comm else None),
     }
 

@@ -76,8 +76,8 @@ def shard(
     first, each to the least-loaded rank of the shard group.
 
     comm: precision on the wire: "bf16", "fp8" (e4m3) or "int8" for every gather and
-    reduction, or ``shardwise.Comm(gather=..., reduce=..., replica=..., error_feedback=...)``
-    for each apart (``replica``: hybrid sharding's all-reduce across shard groups, the link
+    reduction, or ``shardwise.Comm(gather=..., reduce=..., replicate=..., error_feedback=...)``
+    for each apart (``replicate``: hybrid sharding's all-reduce across shard groups, the link
     between nodes). fp8 and int8 scale each block of 256 elements by its absolute maximum;
     sums are taken in fp32; master weights and optimizer state keep their dtype. Default:
     exact (the gather and reduction dtypes themselves).
@@ -105,7 +105,7 @@ def shard(
         module, wrap=wrap, sharding=sharding, settings=settings,
         group=group, mesh=mesh, shard_size=shard_size, init=init,
         precision=MixedPrecision.of(mixed_precision), cpu_offload=cpu_offload,
-        max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm), outer=_replica_groups(fault_tolerance),
+        max_unsharded=max_unsharded, placement=placement, comm=Comm.of(comm), replica_groups=_replica_groups(fault_tolerance),
     )
     optimizer_guard.watch(rt)
     if init_from is not None:

@@ -48,7 +48,7 @@ def key(unit: ShardedUnit) -> tuple | None:
     """What units must share to share a bucket; None where a unit is never bucketed."""
     if (
         unit.is_root or not C.on_gloo(unit.group) or unit.streams is not None
-        or unit.replicate is not None or unit.outer is not None or not unit.layout.uniform
+        or unit.replicate is not None or unit.replica_groups is not None or not unit.layout.uniform
         or unit.gather_codec is not None or unit.reduce_codec is not None
     ):
         return None

@@ -243,7 +243,7 @@ def build(
     max_unsharded: int,
     placement: placements.Placement | None,
     comm: Comm,
-    outer: ReplicaGroups | None = None,
+    replica_groups: ReplicaGroups | None = None,
 ) -> Runtime:
     """Shard ``module`` in place as ``shard()`` describes, and attach its ``Runtime``."""
     plans = select_units(module, wrap)
@@ -261,12 +261,12 @@ def build(
     flats = _fill_shards(module, plans, layouts, configs, rank, device, init, precision, layout_mesh.whole)
     side_streams = streams.for_device(device)
     units = [
-        _unit(up, lay, flat, config, layout_mesh, sharding, device, precision, comm, side_streams, outer)
+        _unit(up, lay, flat, config, layout_mesh, sharding, device, precision, comm, side_streams, replica_groups)
         for up, lay, flat, config in zip(plans, layouts, flats, configs)
     ]
     module._shardwise = rt = Runtime(
         module, units, sharding, layout_mesh, max_unsharded, precision,
-        groups.host_group(layout_mesh.whole), comm, outer,
+        groups.host_group(layout_mesh.whole), comm, replica_groups,
     )
     guard_conversions(module, rt)  # Note [conversions after shard()]
     for kind in (Recompute.FULL, Recompute.SELECTIVE):
@@ -276,8 +276,8 @@ def build(
     offloaded = [p.name for p, c in zip(plans, configs) if c.offload_activations]
     if offloaded:
         rt.activations = offload_activations(module, offloaded, [p.name for p in plans], device)
-    if outer is not None:
-        outer.attach(module)  # (replica groups outside the job: healing reads the runtime)
+    if replica_groups is not None:
+        replica_groups.attach(module)  # (replica groups outside the job: healing reads the runtime)
     return rt
 
 
@@ -379,7 +379,7 @@ def _unit(
     precision: MixedPrecision,
     comm: Comm,
     side_streams: Streams | None,
-    outer: ReplicaGroups | None,
+    replica_groups: ReplicaGroups | None,
 ) -> Unit:
     """One unit over its filled flat shard; the parameters it replaces are retired."""
     rg = [p.requires_grad for p in up.params]
@@ -387,7 +387,7 @@ def _unit(
         unit = ShardedUnit(
             up.module, up.name, up.registrations, mesh.shard, lay, flat, rg,
             device=device, precision=precision, offload=config.offload, streams=side_streams,
-            replicate=mesh.replicate, comm=comm, outer=outer,
+            replicate=mesh.replicate, comm=comm, replica_groups=replica_groups,
             reshard_after_forward=config.reshard_after_forward and not up.is_root,
         )
     else:
@@ -395,7 +395,7 @@ def _unit(
         for r in up.registrations:
             r.module._parameters[r.attr] = params[r.index]
         unit = ReplicatedUnit(
-            up.module, up.name, up.registrations, mesh.shard, params, precision=precision, comm=comm, outer=outer
+            up.module, up.name, up.registrations, mesh.shard, params, precision=precision, comm=comm, replica_groups=replica_groups
         )
     for r in up.registrations:
         optimizer_guard.retire(up.params[r.index], r.fqn)

@@ -67,11 +67,11 @@ from .errors import ShardwiseError
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# replica_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
-# outer_all_reduce: the one across replica groups outside the job (replica_groups.py);
+# replicate_all_reduce: hybrid sharding's all-reduce of gradient shards across the shard groups;
+# replica_groups_all_reduce: the one across replica groups outside the job (replica_groups.py);
 # weight_sync: weights handed from this rank to an inference engine (shardwise.rl), booked as sent
 KINDS = (
-    "all_gather", "reduce_scatter", "all_reduce", "replica_all_reduce", "outer_all_reduce", "broadcast",
+    "all_gather", "reduce_scatter", "all_reduce", "replicate_all_reduce", "replica_groups_all_reduce", "broadcast",
     "step_check", "weight_sync",
 )
 
@@ -492,19 +492,19 @@ def all_reduce(
     )
 
 
-def outer_all_reduce(tensor: torch.Tensor, replica_groups, label: str, numel: int | None = None) -> Pending:
+def replica_groups_all_reduce(tensor: torch.Tensor, replica_groups, label: str, numel: int | None = None) -> Pending:
     """Average ``tensor`` in place over the replica groups outside the job that take part in
-    this step (``outer.ReplicaGroups``), asynchronously; booked as ``outer_all_reduce``, a
+    this step (``replica_groups.ReplicaGroups``), asynchronously; booked as ``replica_groups_all_reduce``, a
     ring's 2 (P-1)/P of the tensor for P groups. ``numel`` is what the flight record notes
     where the job's ranks reduce other sizes (owned parameters)."""
     nbytes = tensor.numel() * tensor.element_size()
 
     def start():
         work = replica_groups.all_reduce(tensor)
-        _book("outer_all_reduce", nbytes, max(1, replica_groups.size()), factor=2)
+        _book("replica_groups_all_reduce", nbytes, max(1, replica_groups.size()), factor=2)
         return work
 
-    return _issue("outer_all_reduce", label, nbytes, tensor, start, numel=numel)
+    return _issue("replica_groups_all_reduce", label, nbytes, tensor, start, numel=numel)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:

@@ -4,8 +4,9 @@ settings (what a plan decides)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from enum import Enum
 
 import torch
@@ -73,10 +74,10 @@ class Comm:
     reduce: the gradients' reduce-scatter (or no_shard's all-reduce): each rank sends each
     other rank its encoded row, and each sums the decoded rows in fp32 (an all-to-all, not a
     ring that would encode again at every hop).
-    replica: hybrid sharding's all-reduce across shard groups (the link between nodes): a
+    replicate: hybrid sharding's all-reduce across shard groups (the link between nodes): a
     reduce-scatter as above, then a gather of the encoded sums.
     Each is None (exact: the dtype itself), "bf16", "fp8" (e4m3, per-block scales) or "int8"
-    (per-block scales); ``gather_codec``, ``reduce_codec`` and ``replica_codec`` are their
+    (per-block scales); ``gather_codec``, ``reduce_codec`` and ``replicate_codec`` are their
     codecs (shardwise.codecs), resolved once here.
     error_feedback: keep what encoding dropped from each gradient row this rank sent and add
     it to the next step's row, so rounding errors are delayed rather than lost (the residual
@@ -85,14 +86,25 @@ class Comm:
 
     gather: str | None = None
     reduce: str | None = None
-    replica: str | None = None
+    replicate: str | None = None
     error_feedback: bool = False
     gather_codec: Codec | None = field(init=False, repr=False, compare=False)
     reduce_codec: Codec | None = field(init=False, repr=False, compare=False)
-    replica_codec: Codec | None = field(init=False, repr=False, compare=False)
+    replicate_codec: Codec | None = field(init=False, repr=False, compare=False)
+    replica: InitVar[str | None] = None  # the old name of ``replicate`` (goes in 0.3)
 
-    def __post_init__(self):
-        for kind in ("gather", "reduce", "replica"):
+    def __post_init__(self, replica: str | None):
+        if replica is not None:
+            warnings.warn(
+                "Comm(replica=...) is now Comm(replicate=...) (hybrid sharding's replicate dimension; "
+                "replica groups are jobs that train together); the old keyword goes in 0.3",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if self.replicate is not None:
+                raise ShardwiseError("Comm(replica=..., replicate=...): give replicate= alone")
+            object.__setattr__(self, "replicate", replica)
+        for kind in ("gather", "reduce", "replicate"):
             value = getattr(self, kind)
             if value is not None and value not in WIRE_FORMATS:
                 raise ShardwiseError(
@@ -111,13 +123,13 @@ class Comm:
         if spec not in WIRE_FORMATS:
             raise ShardwiseError(
                 f"comm={spec!r}: use one of {WIRE_FORMATS}, 'exact', None or a "
-                "shardwise.Comm(gather=..., reduce=..., replica=...)"
+                "shardwise.Comm(gather=..., reduce=..., replicate=...)"
             )
-        return Comm(gather=spec, reduce=spec, replica=spec)
+        return Comm(gather=spec, reduce=spec, replicate=spec)
 
     @property
     def exact(self) -> bool:
-        return self.gather is None and self.reduce is None and self.replica is None
+        return self.gather is None and self.reduce is None and self.replicate is None
 
 
 class Sharding(str, Enum):

@@ -186,7 +186,7 @@ class Runtime:
         precision: MixedPrecision,
         host_group,
         comm: Comm,
-        outer: ReplicaGroups | None = None,
+        replica_groups: ReplicaGroups | None = None,
     ):
         self.root = root
         self.precision = precision
@@ -195,9 +195,9 @@ class Runtime:
         self.units = units  # innermost first, root last
         self.sharding = sharding  # the strategy (its name, for tools and checkpoints, is its value)
         self.mesh = mesh
-        self.outer = outer  # replica groups outside the job (replica_groups.py), whose units reduce across them
+        self.replica_groups = replica_groups  # replica groups outside the job (replica_groups.py), whose units reduce across them
         # all-reduces that follow a unit's reduce-scatter: one unit's reduction in flight per each
-        self._all_reduces_after_scatter = int(sharding.hybrid) + int(outer is not None)
+        self._all_reduces_after_scatter = int(sharding.hybrid) + int(replica_groups is not None)
         self.max_unsharded = max_unsharded
         self.sync_grads = True
         self.phase = Phase.IDLE

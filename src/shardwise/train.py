@@ -342,8 +342,8 @@ class Run:
             "all_gather": per_step["all_gather"],
             "reduce_scatter": per_step["reduce_scatter"],
             "all_reduce": per_step["all_reduce"],
-            "replica_all_reduce": per_step["replica_all_reduce"],
-            "outer_all_reduce": per_step["outer_all_reduce"],
+            "replicate_all_reduce": per_step["replicate_all_reduce"],
+            "replica_groups_all_reduce": per_step["replica_groups_all_reduce"],
             "peak": self.peak,
             "step_ms": 1000 * sorted(timed)[len(timed) // 2],
         }
@@ -551,7 +551,7 @@ def render_summary(s: dict) -> str:
         + "   total   step ms",
     ]
     for r in rows:
-        across = r.get("replica_all_reduce", 0)
+        across = r.get("replicate_all_reduce", 0)
         total = r["all_gather"] + r["reduce_scatter"] + r["all_reduce"] + across
         lines.append(
             f"  rank {r['rank']:<30}{_mib(r['all_gather'])}    {_mib(r['reduce_scatter'])}"
@@ -566,17 +566,17 @@ def render_summary(s: dict) -> str:
     )
     if hybrid:
         within = [r["all_gather"] + r["reduce_scatter"] + r["all_reduce"] for r in rows]
-        across = [r.get("replica_all_reduce", 0) for r in rows]
+        across = [r.get("replicate_all_reduce", 0) for r in rows]
         lines.append(
             f"  per link: within each shard group (S = {theory['shard']} ranks) theory "
             f"{theory['within'] / 2**20:.2f} MiB, measured {_mib(max(within)).strip()} MiB; across the "
             f"replicas (R = {theory['replicas']}) theory {theory['across'] / 2**20:.2f} MiB, "
             f"measured {_mib(max(across)).strip()} MiB (the most any rank sent)"
         )
-    outer = [r.get("outer_all_reduce", 0) for r in rows]
-    if any(outer):
+    replica_groups = [r.get("replica_groups_all_reduce", 0) for r in rows]
+    if any(replica_groups):
         lines.append(
-            f"  across replica groups (--fault-tolerance, torchft): {_mib(max(outer)).strip()} MiB per step "
+            f"  across replica groups (--fault-tolerance, torchft): {_mib(max(replica_groups)).strip()} MiB per step "
             "(the most any rank sent; each rank averages its gradient shard with its peers in the other groups)"
         )
     return "\n".join(lines)

@@ -126,13 +126,13 @@ class Unit:
     reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
 
     def __init__(
-        self, module: nn.Module, name: str, registrations: list[Registration], group, outer: ReplicaGroups | None
+        self, module: nn.Module, name: str, registrations: list[Registration], group, replica_groups: ReplicaGroups | None
     ):
         self.module, self.name, self.registrations, self.group = module, name, registrations, group
         self._places = [(r.module._parameters, r.attr, r.index) for r in registrations]  # (for _swap)
         # replica groups outside the job (replica_groups.py): gradients are averaged across them once
         # the job's own reduction is complete
-        self.outer = outer
+        self.replica_groups = replica_groups
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.label = name or "<root>"
         self.is_root = name == ""
@@ -215,9 +215,9 @@ class ShardedUnit(Unit):
         streams: Streams | None = None,
         replicate=None,
         comm: Comm | None = None,
-        outer: ReplicaGroups | None = None,
+        replica_groups: ReplicaGroups | None = None,
     ):
-        super().__init__(module, name, registrations, group, outer)
+        super().__init__(module, name, registrations, group, replica_groups)
         # precision on the wire; nothing leaves a rank in a group of one
         self.comm = comm or Comm()
         self.gather_codec = self.comm.gather_codec if self.world > 1 else None
@@ -226,8 +226,8 @@ class ShardedUnit(Unit):
         # hybrid sharding: the same-position ranks of the other shard groups, which hold the
         # same shards; gradients are all-reduced over them after the reduce-scatter
         self.replicate = replicate
-        self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
-        self.replica_codec = self.comm.replica_codec if self.replicas > 1 else None
+        self.replicate_size = dist.get_world_size(replicate) if replicate is not None else 1
+        self.replicate_codec = self.comm.replicate_codec if self.replicate_size > 1 else None
         self.layout = layout
         self.requires_grad = requires_grad
         self.grad_layout = layout.subset(requires_grad)
@@ -251,7 +251,7 @@ class ShardedUnit(Unit):
         self._gather: C.Pending | None = None
         self._gathered = None  # CUDA: the event after the gather, on the gather stream
         self._reduce: C.Pending | None = None  # the reduce-scatter in flight
-        self._replica: C.Pending | None = None  # the all-reduce after it in flight (across replicas)
+        self._replicate_reduce: C.Pending | None = None  # the all-reduce after it in flight (across replicas)
         self._stages: list = []  # the all-reduces after it still to issue, in order
         self._reduce_out: torch.Tensor | None = None
         self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
@@ -435,7 +435,7 @@ class ShardedUnit(Unit):
                 self.used[j] = True
                 grads.append(p.grad)
                 p.grad = None
-        if self.world * self.replicas == 1 and self.outer is None and (self._direct or self.streams is None):
+        if self.world * self.replicate_size == 1 and self.replica_groups is None and (self._direct or self.streams is None):
             # nothing to reduce: the gradients are the shards' (direct), or each is only
             # brought to the reduction dtype and then to the master's, as the rows would be
             self._predivided = False
@@ -455,12 +455,12 @@ class ShardedUnit(Unit):
         buf = C.scatter_rows(self.grad_layout.sizes, self.reduce_dtype, self.device, self.group)
         self.grad_layout.pack(grads, buf.rows, buf.full)  # casts to the reduction dtype on the way
         del grads
-        self._predivided = self.reduce_dtype.itemsize < 4 and self.world * self.replicas > 1
+        self._predivided = self.reduce_dtype.itemsize < 4 and self.world * self.replicate_size > 1
         if self._predivided:
             for row in [buf.full] if buf.full is not None else buf.rows:
-                row.div_(self.world * self.replicas)
+                row.div_(self.world * self.replicate_size)
         self._reduce_out = buf.out
-        self._replica = None
+        self._replicate_reduce = None
         self._stages = [] if self.streams is not None else self._all_reduces()
         if self.streams is not None:
             self._reduce_on_stream(self.streams, buf)
@@ -475,7 +475,7 @@ class ShardedUnit(Unit):
         gradient shard."""
         self.awaiting_bucket = False
         self._predivided = self.reduce_dtype.itemsize < 4 and self.world > 1
-        self._reduce, self._reduce_out, self._replica, self._stages = pending, out, None, []
+        self._reduce, self._reduce_out, self._replicate_reduce, self._stages = pending, out, None, []
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * out.numel() * out.element_size())
 
@@ -487,32 +487,32 @@ class ShardedUnit(Unit):
         """What follows the reduce-scatter, in order: hybrid sharding's all-reduce across the
         job's replicas, then the average across replica groups outside the job."""
         stages = [self._replica_all_reduce] if self.replicate is not None else []
-        return stages + ([self._outer_all_reduce] if self.outer is not None else [])
+        return stages + ([self._replica_groups_all_reduce] if self.replica_groups is not None else [])
 
     def advance_reduce(self) -> None:
         """Take the reduction one stage on: finish the collective in flight (the
         reduce-scatter, or an all-reduce after it) and issue the next all-reduce of its result,
         if any (no wait)."""
-        pending = self._reduce or self._replica
+        pending = self._reduce or self._replicate_reduce
         if pending is not None:
             pending.wait()
-            self._reduce = self._replica = None
+            self._reduce = self._replicate_reduce = None
         if self._stages and self._reduce_out is not None:
-            self._replica = self._stages.pop(0)(self._reduce_out)
+            self._replicate_reduce = self._stages.pop(0)(self._reduce_out)
 
-    def _outer_all_reduce(self, shard: torch.Tensor) -> C.Pending:
+    def _replica_groups_all_reduce(self, shard: torch.Tensor) -> C.Pending:
         # Note [the job's average before the groups']
-        if not self._predivided and self.world * self.replicas > 1:
-            shard.div_(self.world * self.replicas)
+        if not self._predivided and self.world * self.replicate_size > 1:
+            shard.div_(self.world * self.replicate_size)
             self._predivided = True
-        return C.outer_all_reduce(shard, self.outer, self.label, numel=max(self.grad_layout.sizes))
+        return C.replica_groups_all_reduce(shard, self.replica_groups, self.label, numel=max(self.grad_layout.sizes))
 
     def _replica_all_reduce(self, shard: torch.Tensor) -> C.Pending:
         # with owned parameters each shard position reduces its own size: records note the largest
         return C.all_reduce(
-            shard, self.replicate, self.label, kind="replica_all_reduce", numel=max(self.grad_layout.sizes),
-            codec=self.replica_codec, channel=self.channel,
-            residual=self._residual("replica_all_reduce", self.replica_codec, shard.numel(), shard),
+            shard, self.replicate, self.label, kind="replicate_all_reduce", numel=max(self.grad_layout.sizes),
+            codec=self.replicate_codec, channel=self.channel,
+            residual=self._residual("replicate_all_reduce", self.replicate_codec, shard.numel(), shard),
         )
 
     def finish_reduce(self) -> None:
@@ -546,7 +546,7 @@ class ShardedUnit(Unit):
                 p.grad = g
             else:
                 p.grad += g
-        self._reduce = self._reduce_out = self._replica = None
+        self._reduce = self._reduce_out = self._replicate_reduce = None
         self._stages = []
         if events.listeners:
             events.emit("reduce_done", self.label)
@@ -562,13 +562,13 @@ class ShardedUnit(Unit):
             self.streams.compute().wait_event(self._gathered)
         elif self._gather is not None:
             self._gather.wait()
-        for pending in (self._reduce, self._replica):
+        for pending in (self._reduce, self._replicate_reduce):
             if pending is not None:
                 pending.wait()
         if self._reduced is not None:
             self.streams.compute().wait_event(self._reduced)
         self._send = self._gather = self._gathered = self._local_grads = None
-        self._reduce = self._replica = self._reduce_out = self._reduce_rows = self._reduced = None
+        self._reduce = self._replicate_reduce = self._reduce_out = self._reduce_rows = self._reduced = None
         self._stages = []
         self.awaiting_bucket = False
         if self.bucket is not None:
@@ -591,8 +591,8 @@ class ShardedUnit(Unit):
                 self._reduce_scatter(buf).wait()
             if self.replicate is not None:
                 self._replica_all_reduce(buf.out).wait()
-            if self.outer is not None:
-                self._outer_all_reduce(buf.out).wait()
+            if self.replica_groups is not None:
+                self._replica_groups_all_reduce(buf.out).wait()
             self._reduce_out = self._to_master(buf.out)
             self._reduced = s.reduce.record_event()
         self._reduce_rows = buf  # compute allocated them: held until it waits (rule 3)
@@ -601,7 +601,7 @@ class ShardedUnit(Unit):
         """This rank's averaged gradient shard in the master's dtype and memory, once its
         reduction is complete (compute waits for it; the CPU too when it is in host memory)."""
         if self._reduced is None:  # CPU: the collectives are waited for here
-            while self._reduce is not None or self._replica is not None or self._stages:
+            while self._reduce is not None or self._replicate_reduce is not None or self._stages:
                 self.advance_reduce()
             return self._to_master(self._reduce_out)
         self.streams.compute().wait_event(self._reduced)
@@ -613,8 +613,8 @@ class ShardedUnit(Unit):
     def _to_master(self, out: torch.Tensor) -> torch.Tensor:
         """The summed shard ``out`` averaged (unless divided before the sum), in the master
         copy's dtype and memory (pinned host memory when offloaded: copied without blocking)."""
-        if not self._predivided and self.world * self.replicas > 1:
-            out.div_(self.world * self.replicas)
+        if not self._predivided and self.world * self.replicate_size > 1:
+            out.div_(self.world * self.replicate_size)
         master = self.flat_shard
         if self.offloaded or out.dtype != master.dtype or out.device != master.device:
             host = torch.empty(out.shape, dtype=master.dtype, device=master.device, pin_memory=master.is_pinned())
@@ -666,9 +666,9 @@ class ReplicatedUnit(Unit):
         *,
         precision: MixedPrecision,
         comm: Comm | None = None,
-        outer: ReplicaGroups | None = None,
+        replica_groups: ReplicaGroups | None = None,
     ):
-        super().__init__(module, name, registrations, group, outer)
+        super().__init__(module, name, registrations, group, replica_groups)
         self.comm = comm or Comm()
         self.reduce_codec = self.comm.reduce_codec if self.world > 1 else None
         self.params = params
@@ -700,7 +700,7 @@ class ReplicatedUnit(Unit):
             sizes = [p.numel() for p in trained]
             self._grad_views = [g.view_as(p) for g, p in zip(self._flat_grad.split(sizes), trained)]
         self._reduce: C.Pending | None = None
-        self._outer_reduce: C.Pending | None = None  # the average across replica groups outside the job
+        self._replica_groups_reduce: C.Pending | None = None  # the average across replica groups outside the job
         self._bucket: torch.Tensor | None = None
 
     def unshard(self) -> None:
@@ -759,18 +759,18 @@ class ReplicatedUnit(Unit):
         if self._reduce is not None:
             self._reduce.wait()
             self._reduce = None
-        if self.outer is not None and self._bucket is not None and self._outer_reduce is None:
+        if self.replica_groups is not None and self._bucket is not None and self._replica_groups_reduce is None:
             if self.world > 1:  # Note [the job's average before the groups']
                 self._bucket.div_(self.world)
-            self._outer_reduce = C.outer_all_reduce(self._bucket, self.outer, self.label)
+            self._replica_groups_reduce = C.replica_groups_all_reduce(self._bucket, self.replica_groups, self.label)
 
     def finish_reduce(self) -> None:
         if self._bucket is None:
             return
         self.advance_reduce()
-        if self._outer_reduce is not None:
-            self._outer_reduce.wait()
-            self._outer_reduce = None
+        if self._replica_groups_reduce is not None:
+            self._replica_groups_reduce.wait()
+            self._replica_groups_reduce = None
         elif self.world > 1:
             self._bucket.div_(self.world)
         if self._flat_grad is not None:  # the gradients are views of the bucket already
@@ -800,10 +800,10 @@ class ReplicatedUnit(Unit):
         """After a step that raised: wait for the all-reduce in flight (every rank issued it
         alike) and drop it; with casts, drop the compute copies' gradients and reshard. The
         parameters' own gradients are the caller's to zero, as in one process."""
-        for pending in (self._reduce, self._outer_reduce):
+        for pending in (self._reduce, self._replica_groups_reduce):
             if pending is not None:
                 pending.wait()
-        self._reduce = self._outer_reduce = self._bucket = None
+        self._reduce = self._replica_groups_reduce = self._bucket = None
         if self.casts:
             for c in self.full_params:
                 c.grad = None

@@ -174,7 +174,7 @@ def _comm_of(system: str, cfg: BenchConfig) -> Comm | str | None:
     all-reduce across shard groups, the link between nodes), else ``--comm``."""
     variant = system.partition("+")[2]
     if variant.startswith("replica-"):
-        return Comm(replica=variant.removeprefix("replica-"))
+        return Comm(replicate=variant.removeprefix("replica-"))
     wire = variant if variant in WIRE_FORMATS else cfg.comm
     return None if wire == "exact" else wire
 
@@ -518,8 +518,8 @@ def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.dev
     if name.startswith("shardwise") and _comm_of(name, cfg) is not None:
         # encoded all-reduces are messages too (Note [wire precision] in collectives.py)
         counted["all_reduce"] = counted.get("all_reduce", 0) + own.get("all_reduce", 0)
-        if own.get("replica_all_reduce"):
-            counted["replica_all_reduce"] = own["replica_all_reduce"]
+        if own.get("replicate_all_reduce"):
+            counted["replicate_all_reduce"] = own["replicate_all_reduce"]
     res = {"bytes": counted, "shardwise_bytes": own, "unknown_collectives": sorted(counter.unknown)}
     if device.type == "cpu":
         kept = bench_counts.kept_buckets(model, ddp)

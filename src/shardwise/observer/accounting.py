@@ -90,7 +90,7 @@ def theory(
     else:
         out["all_reduce"] = 2 * psi * b_reduce * (world - 1) // world
     if sharding.hybrid:
-        out["replica_all_reduce"] = 2 * psi * (b_across or b_reduce) * (r - 1) // (r * s)
+        out["replicate_all_reduce"] = 2 * psi * (b_across or b_reduce) * (r - 1) // (r * s)
     if trained is not None:
         out["step_check"] = 2 * step_check_nbytes(trained) * (world - 1) // world
     return out
@@ -134,14 +134,14 @@ def theory_bytes_per_step(model: nn.Module, strategy: Sharding | str) -> dict:
     comm = runtime.comm
     b_gather = _wire(comm.gather_codec, u.compute_dtype.itemsize, psi)
     b_reduce = _wire(comm.reduce_codec, u.reduce_dtype.itemsize, psi)
-    b_across = _wire(comm.replica_codec, u.reduce_dtype.itemsize, psi)
+    b_across = _wire(comm.replicate_codec, u.reduce_dtype.itemsize, psi)
     strategy = Sharding.of(strategy)
     kept = _kept_gathered(model) if strategy.reshard_after_forward else 0
     kinds = theory(
         strategy, psi, world=r * s, replicas=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across,
         root=kept,
     )
-    across = int(kinds.pop("replica_all_reduce", 0))
+    across = int(kinds.pop("replicate_all_reduce", 0))
     within = int(sum(kinds.values()))
     same = b_gather == b_reduce or not strategy.shard
     return {
@@ -213,7 +213,7 @@ def _on_wire(codec: Codec | None, dtype: torch.dtype) -> str:
 
 def _reduction(u: ReplicatedUnit | ShardedUnit) -> str:
     within = _on_wire(u.reduce_codec, u.reduce_dtype)
-    if not isinstance(u, ShardedUnit) or u.replicas == 1:
+    if not isinstance(u, ShardedUnit) or u.replicate_size == 1:
         return within
-    across = _on_wire(u.replica_codec, u.reduce_dtype)
+    across = _on_wire(u.replicate_codec, u.reduce_dtype)
     return within if across == within else f"{within} / {across}"

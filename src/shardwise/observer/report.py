@@ -142,8 +142,8 @@ def figures(data: dict, index: int) -> dict:
     formula = accounting.formula(data["strategy"], b_gather == b_reduce) + " + step check"
     # the ranks each kind runs over: gathers, reduce-scatters and clipping's all-reduce in
     # the shard group (the world, without hybrid sharding); all-reduces move twice
-    over = {"all_gather": s, "reduce_scatter": s, "all_reduce": s, "replica_all_reduce": reps, "step_check": n}
-    twice = ("all_reduce", "replica_all_reduce", "step_check")
+    over = {"all_gather": s, "reduce_scatter": s, "all_reduce": s, "replicate_all_reduce": reps, "step_check": n}
+    twice = ("all_reduce", "replicate_all_reduce", "step_check")
     sent, blocked, comm_time, step_time, ddp_state = [], [], [], [], 0
     for r in data["ranks"]:
         start, end = r["steps"][index]
@@ -166,13 +166,13 @@ def figures(data: dict, index: int) -> dict:
     devices = {r: {d["device"]: d for d in summary if d["rank"] == r} for r in ranks}
     gpu = {r: next((d for k, d in devices[r].items() if k != "cpu"), None) for r in ranks}
     links = None
-    if "replica_all_reduce" in theory:
+    if "replicate_all_reduce" in theory:
         within = ("all_gather", "reduce_scatter", "all_reduce")
         links = {
             "within": [sum(x[k] for k in within) for x in sent],
-            "across": [x["replica_all_reduce"] for x in sent],
+            "across": [x["replicate_all_reduce"] for x in sent],
             "theory_within": sum(theory[k] for k in within),
-            "theory_across": theory["replica_all_reduce"],
+            "theory_across": theory["replicate_all_reduce"],
         }
     return {
         "psi": psi,

@@ -523,7 +523,7 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
             issued.setdefault((stream, unit), []).append([t, None, ev[3], None])
         elif kind in ("gather_complete", "reduce_complete"):
             _close(issued, (kind.split("_")[0], unit), t)
-        elif kind == "collective" and ev[3] == "replica_all_reduce":
+        elif kind == "collective" and ev[3] == "replicate_all_reduce":
             out.append(_span("replica", "all_reduce", name(unit), ev[5], t, bytes=ev[4], wait=ev[6]))
         elif kind == "collective" and ev[3] in _STREAM:
             _close(issued, (_STREAM[ev[3]], unit), t, wait=ev[6])

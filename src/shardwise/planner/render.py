@@ -104,8 +104,8 @@ def render(p: Plan) -> str:
         ("  reduce-scatter", lambda e: e.comm["reduce_scatter"]),
         ("  all-reduce", lambda e: e.comm["all_reduce"]),
     ]
-    if any(e.comm.get("replica_all_reduce") for e in cols):  # hybrid: the link across groups
-        rows.append(("  across shard groups", lambda e: e.comm.get("replica_all_reduce", 0)))
+    if any(e.comm.get("replicate_all_reduce") for e in cols):  # hybrid: the link across groups
+        rows.append(("  across shard groups", lambda e: e.comm.get("replicate_all_reduce", 0)))
     for start in range(0, len(cols), 4):
         chunk = cols[start : start + 4]
         heads = [f"path {start + j}" if p.path else _short(e) for j, e in enumerate(chunk)]
