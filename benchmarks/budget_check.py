@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise import groups
-from shardwise.models import GPT, Block, gpt_config
+from shardwise.core import groups
+from shardwise.core.policies import Settings, UnitConfig
+from shardwise.job.models import GPT, Block, gpt_config
 from shardwise.planner import budget as search
 from shardwise.planner import plan as P
-from shardwise.policies import Settings, UnitConfig
 
 STEPS = 6  # timed steps after two warm-up steps
 

@@ -54,9 +54,9 @@ def rank_main(rounds: int, root: str) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import shardwise
-    from shardwise import groups
-    from shardwise.data import get_batch, rank_slice
-    from shardwise.models import GPT, Block, gpt_config
+    from shardwise.core import groups
+    from shardwise.job.data import get_batch, rank_slice
+    from shardwise.job.models import GPT, Block, gpt_config
 
     groups.init()
     torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    from shardwise.groups import launch_local
+    from shardwise.core.groups import launch_local
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root:
         ranks = launch_local(a.nproc, rank_main, a.rounds, root)

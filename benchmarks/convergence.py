@@ -27,7 +27,8 @@ import os
 import time
 from pathlib import Path
 
-from shardwise import groups, train
+from shardwise.core import groups
+from shardwise.job import train
 from shardwise.observer import charts
 
 COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c",

@@ -57,8 +57,8 @@ def worker(cfg: dict) -> None:
     import torch.distributed as dist
 
     import shardwise
-    from shardwise.data import get_batch, rank_slice
-    from shardwise.models import GPT, Block, gpt_config
+    from shardwise.job.data import get_batch, rank_slice
+    from shardwise.job.models import GPT, Block, gpt_config
 
     shardwise.init(timeout=cfg["timeout"])
     torch.set_num_threads(1)

@@ -20,9 +20,9 @@ import torch
 
 def rank_main(steps: int) -> dict:
     import shardwise
-    from shardwise import flight, groups
-    from shardwise.data import get_batch, rank_slice
-    from shardwise.models import GPT, Block, gpt_config
+    from shardwise.core import flight, groups
+    from shardwise.job.data import get_batch, rank_slice
+    from shardwise.job.models import GPT, Block, gpt_config
 
     groups.init()
     torch.set_num_threads(1)
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     a = p.parse_args()
-    from shardwise.groups import launch_local
+    from shardwise.core.groups import launch_local
 
     rows = launch_local(a.nproc, rank_main, a.steps)
     print("| rank | step ms | collectives recorded per step | us per record | step check ms | guard share of step |")

@@ -42,8 +42,8 @@ import torch
 
 import shardwise
 from shardwise.bench import overhead as unit_overhead
-from shardwise.data import get_batch, rank_slice
-from shardwise.models import GPT, Block, gpt_config
+from shardwise.job.data import get_batch, rank_slice
+from shardwise.job.models import GPT, Block, gpt_config
 
 # dense bf16 peak of each GPU (TFLOP/s, without sparsity), by a part of its name
 PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "A100": 312.0}
@@ -158,7 +158,7 @@ def parity(args, device: torch.device, rank: int = 0, world: int = 1, placement=
 def _parity_rank(args) -> list[dict]:
     shardwise.init()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = shardwise.groups.device()
+    device = shardwise.core.groups.device()
     return [parity(args, device, rank, world), parity(args, device, rank, world, shardwise.placement.matrices)]
 
 
@@ -215,17 +215,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # N=2 first, in its own processes, before this one holds device memory
-    parity2 = shardwise.groups.launch_local(2, _parity_rank, args)[0] if n_gpus >= 2 else [None]
+    parity2 = shardwise.core.groups.launch_local(2, _parity_rank, args)[0] if n_gpus >= 2 else [None]
     ocfg = unit_overhead.OverheadConfig(
         units=tuple(int(n) for n in args.overhead_units.split(",")), nprocs=(1, 2) if n_gpus >= 2 else (1,),
         steps=args.overhead_steps, out=args.out,
     )
     per_unit = {
-        str(n): unit_overhead.per_unit(shardwise.groups.launch_local(n, unit_overhead.run_rank, ocfg)[0])
+        str(n): unit_overhead.per_unit(shardwise.core.groups.launch_local(n, unit_overhead.run_rank, ocfg)[0])
         for n in ocfg.nprocs
     }
     shardwise.init(backend="gloo" if args.device == "cpu" else None)
-    device = shardwise.groups.device() if args.device == "cuda" else torch.device("cpu")
+    device = shardwise.core.groups.device() if args.device == "cuda" else torch.device("cpu")
     parity1 = [parity(args, device), parity(args, device, placement=shardwise.placement.matrices)]
     n = args.warmup + args.rounds * args.steps
     batches = [tuple(t.to(device) for t in get_batch(i % 8, args.batch_size, args.seq_len)) for i in range(n)]

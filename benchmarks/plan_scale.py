@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from shardwise.core.wrap import auto
 from shardwise.planner import repeats
 from shardwise.planner.cli import hf_model
 from shardwise.planner.plan import plan
-from shardwise.wrap import auto
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from shardwise import groups
 from shardwise.bench import harness as bench
+from shardwise.core import groups
 
 
 def main() -> None:

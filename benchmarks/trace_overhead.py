@@ -18,8 +18,8 @@ import time
 import torch
 
 import shardwise
-from shardwise import groups
-from shardwise.models import GPT, Block, gpt_config
+from shardwise.core import groups
+from shardwise.job.models import GPT, Block, gpt_config
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import shardwise
-from shardwise.data import get_batch, rank_slice
+from shardwise.job.data import get_batch, rank_slice
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,7 +82,7 @@ def main() -> None:
     args = parse_args()
     shardwise.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = shardwise.groups.device()
+    device = shardwise.core.groups.device()
     torch.manual_seed(args.seed)
     model = build(args)
     shardwise.shard(model, wrap=shardwise.wrap.auto(model), init_from=args.init_from)

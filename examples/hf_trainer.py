@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Tr
 
 import shardwise
 import shardwise.hf
-from shardwise.data import get_batch
+from shardwise.job.data import get_batch
 
 
 class Windows(Dataset):
@@ -83,7 +83,7 @@ def main() -> None:
     trainer.save_model(final)
 
     x = Windows(2, args.seq_len, "val")[0]["input_ids"][None]
-    device = shardwise.groups.device()
+    device = shardwise.core.groups.device()
     with torch.no_grad():  # every rank the same batch: the sharded model's loss on it
         sharded = trainer.model(input_ids=x.to(device), labels=x.to(device)).loss.item()
     if dist.get_rank() == 0:

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import shardwise.lightning  # noqa: F401  (registers strategy="shardwise")
-from shardwise.data import get_batch
-from shardwise.models import GPT, gpt_config
+from shardwise.job.data import get_batch
+from shardwise.job.models import GPT, gpt_config
 
 
 class Windows(Dataset):

@@ -15,8 +15,8 @@ from pool import framework_task
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
-from shardwise.models import GPT, GPTConfig
-from shardwise.runtime import runtime_of
+from shardwise.core.runtime import runtime_of
+from shardwise.job.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2, mlp_ratio=2)
 SAMPLES = 64  # 2 ranks x 2 sequences x 2 micro-batches x 8 steps

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nets import train_pair
 
 import shardwise
-from shardwise import groups
+from shardwise.core import groups
 
 
 def main(out: str) -> None:

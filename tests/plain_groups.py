@@ -1,4 +1,4 @@
-"""Replica groups outside the job (shardwise.replica_groups) built on plain process groups, for tests: a
+"""Replica groups outside the job (shardwise.core.replica_groups) built on plain process groups, for tests: a
 pool of 4 ranks stands for 2 jobs of 2 ranks; rank r of each job averages its gradient shards
 with rank r of the other through a group of its own, as torchft's manager does across jobs
 (the groups that do not take part in a step send zeros; the sum is divided by the number
@@ -19,7 +19,7 @@ GROUP_SIZE = 2
 
 
 class PlainGroups:
-    """``shardwise.replica_groups.ReplicaGroups`` over ``group`` (rank r of every job); ``taking_part``
+    """``shardwise.core.replica_groups.ReplicaGroups`` over ``group`` (rank r of every job); ``taking_part``
     names the groups of the current step."""
 
     def __init__(self, group, index: int, groups: int):

@@ -314,7 +314,8 @@ class WorkerPool:
 
     def _spawn(self, attempts: int = 2) -> None:
         """Start fresh workers; retry once, since the free port we picked may be taken."""
-        from shardwise.addresses import free_port  # (the parent's: workers import no torch early)
+        # (the parent's: workers import no torch early)
+        from shardwise.core.addresses import free_port
 
         ctx = get_context("spawn")
         started = time.monotonic()

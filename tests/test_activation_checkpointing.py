@@ -40,8 +40,8 @@ def test_checkpointing_parity(pools, strategy):
 def activation_peak(checkpoint):
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from shardwise.models import GPT, gpt_config
-    from shardwise.models import Block as GPTBlock
+    from shardwise.job.models import GPT, gpt_config
+    from shardwise.job.models import Block as GPTBlock
 
     torch.manual_seed(0)
     model = shardwise.shard(GPT(gpt_config("tiny", seq_len=64)), wrap=shardwise.wrap.by_class(GPTBlock))
@@ -71,7 +71,7 @@ def hf_recomputed(selective: bool):
     N=2 with its decoder layers recomputed, beside the unsharded model without recomputation:
     the largest difference after two SGD steps, how far the reference moved, and the cache
     lengths of the recomputed model's last forward (Note [no KV cache where activations are
-    recomputed] in shardwise/recompute.py)."""
+    recomputed] in shardwise/core/recompute.py)."""
     import copy
     import warnings
 

@@ -7,8 +7,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from shardwise.activation_offload import Offload, is_activation
-from shardwise.models.gpt import GPT, gpt_config
+from shardwise.core.activation_offload import Offload, is_activation
+from shardwise.job.models.gpt import GPT, gpt_config
 
 
 class SavesViews(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""This machine's addresses toward a peer (shardwise.addresses), IPv4 and IPv6."""
+"""This machine's addresses toward a peer (shardwise.core.addresses), IPv4 and IPv6."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from shardwise.addresses import free_port, route_to
+from shardwise.core.addresses import free_port, route_to
 
 
 def test_a_free_port_can_be_bound():

@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise
-from shardwise import events, flight
-from shardwise.buckets import gathered_bytes
+from shardwise.core import events, flight
+from shardwise.core.buckets import gathered_bytes
 
 
 class Block(nn.Module):
@@ -272,7 +272,7 @@ def test_bucket_memory_planned_to_the_byte(pools, monkeypatch, strategy, blocks)
     from shardwise.planner import plan as P
 
     block = 4 * 80  # a block's gathered bytes: its 70 parameters padded to whole rows on 2 ranks, fp32
-    monkeypatch.setattr(shardwise.buckets, "BUCKET_BYTES", blocks * block)
+    monkeypatch.setattr(shardwise.core.buckets, "BUCKET_BYTES", blocks * block)
     e = P.plan(
         _eight, world_size=2, strategy=strategy, wrap=shardwise.wrap.by_class(Block), inputs=_inputs,
         loss=_loss, backend="gloo", optimizer=_sgd,

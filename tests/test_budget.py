@@ -19,6 +19,7 @@ from test_plan import BATCH, GPT_CFG, MODELS, real_batch, tokens
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import shardwise
+from shardwise.core.policies import MixedPrecision, Settings, UnitConfig
 from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
 from shardwise.planner import cli
@@ -26,7 +27,6 @@ from shardwise.planner import plan as P
 from shardwise.planner.costs import Rates
 from shardwise.planner.estimate import estimate_of
 from shardwise.planner.render import as_dict
-from shardwise.policies import MixedPrecision, Settings, UnitConfig
 
 WORLD = 2
 SWEEP = 5  # budgets from the smallest feasible peak to DDP's
@@ -112,7 +112,7 @@ CHEAP_HOST = Rates(flops=1e9, host=1e12, network=50e9)  # host copies far cheape
 def planned_settings(name: str, settings) -> tuple[P.Estimate, int]:
     """The planner's estimate of one configuration on two memories (world size 1, NCCL), and
     the most bytes of activations its run held in host memory."""
-    from shardwise import collectives, groups
+    from shardwise.core import collectives, groups
 
     build, _, inputs, loss_fn = MODELS[name]
     job = P._Job(
@@ -291,7 +291,7 @@ LAYERS = 4
 
 
 def fast_gpt():
-    return shardwise.models.GPT(replace(GPT_CFG, n_layer=LAYERS, d_model=64))
+    return shardwise.job.models.GPT(replace(GPT_CFG, n_layer=LAYERS, d_model=64))
 
 
 def fast_hf(kind: str):
@@ -320,7 +320,7 @@ def test_blocks_decided_together_as_fast_as_a_move_per_unit(monkeypatch, name):
     blocks together, refined for the budget, chooses a configuration whose predicted step is
     within 2% of the one the search moving one unit at a time chooses, and fits the budget;
     with fewer configurations planned."""
-    from shardwise import buckets
+    from shardwise.core import buckets
     from shardwise.planner import repeats
 
     pytest.importorskip("transformers", reason="needs the hf extra: pip install 'shardwise[hf]'")

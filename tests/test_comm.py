@@ -14,7 +14,7 @@ from nets import batch, counted_steps, global_mean, local_slice, loss_of, make, 
 
 import shardwise
 from shardwise import Comm, ShardwiseError
-from shardwise.codecs import BLOCK, Codec
+from shardwise.core.codecs import BLOCK, Codec
 
 
 # --- the codecs, without any group
@@ -328,7 +328,7 @@ def test_planner_predicts_encoded_bytes():
     # the planner runs the real runtime: encoded messages, scales included, in its bytes
     from functools import partial
 
-    from shardwise.models import GPT, Block, gpt_config
+    from shardwise.job.models import GPT, Block, gpt_config
 
     cfg = gpt_config("tiny", seq_len=32)
     sent = {

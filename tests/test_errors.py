@@ -131,7 +131,7 @@ def agree_on(problems: list[str]):
     """Each rank's own problem; what ``agree`` makes of rank 0's, on every rank."""
     import torch.distributed as dist
 
-    from shardwise import collectives
+    from shardwise.core import collectives
 
     rank = dist.get_rank()
     try:

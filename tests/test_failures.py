@@ -127,7 +127,7 @@ def die_in_replica_all_reduce():
     """2x2 (replicas x shard): rank 2 dies as it would issue its first all-reduce across the
     replicas, leaving rank 0, its peer there, waiting in that all-reduce; rank 3 loses its
     shard group's peer, and rank 1 then its peer across the replicas."""
-    from shardwise import collectives
+    from shardwise.core import collectives
 
     model = shardwise.shard(
         make("tied"), wrap=wrap_policy("by_class", "tied"), strategy="hybrid_shard", shard_size=2

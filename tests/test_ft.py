@@ -39,7 +39,7 @@ pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip instal
 import torch
 from plain_groups import replay
 
-from shardwise.addresses import free_port
+from shardwise.core.addresses import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -214,7 +214,7 @@ def different_sizes(jobs: Jobs, strategy: dict, forever: bool = True) -> dict:
     joins late: its first replica heals through torchft and its second from the first (Note
     [jobs of different sizes] in shardwise/ft/replicas.py). All three ranks end bitwise equal
     and, every rank's batch counting once (Note [the job's average before the groups'] in
-    shardwise/replica_groups.py), like one process on the batches taking part. ``forever``: the jobs go on
+    shardwise/core/replica_groups.py), like one process on the batches taking part. ``forever``: the jobs go on
     after saving (else they stop and exit). Returns the jobs' config."""
     cfg = {"steps": 4, "pause": 0.1, "restarts": 0, "timeout": 5, "quorum_timeout": 5, "forever": forever,
            "max_steps": 100_000, **strategy}

@@ -185,7 +185,7 @@ def test_diloco_job_sharding_over_other_ranks_is_refused_naming_the_fix_while_th
     ],
 )
 def test_bad_fragments_are_named(pieces, h, fragments, delay, says):
-    from shardwise.errors import ShardwiseError
+    from shardwise.core.errors import ShardwiseError
     from shardwise.ft.diloco import fragments_of
 
     with pytest.raises(ShardwiseError, match=re.escape(says)):

@@ -1,5 +1,5 @@
 """A job torchrun restarts rendezvouses again without TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-(Note [a restarted job's store] in shardwise/groups.py): one torchrun job of 2 ranks whose
+(Note [a restarted job's store] in shardwise/core/groups.py): one torchrun job of 2 ranks whose
 ranks take turns dying by SIGKILL after the rendezvous, in attempt after attempt; every
 restart must make its groups and reduce over them (before the fix, 4 restarts in 5 failed)."""
 

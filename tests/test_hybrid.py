@@ -20,7 +20,7 @@ from nets import (
 
 import shardwise
 from shardwise import ShardwiseError
-from shardwise.unit import ShardedUnit
+from shardwise.core.unit import ShardedUnit
 
 HYBRID = ["hybrid_shard", "hybrid_shard_grad_op"]
 

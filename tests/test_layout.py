@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from shardwise.layout import Layout
+from shardwise.core.layout import Layout
 
 SHAPES = [("w", (7, 3)), ("b", (7,)), ("s", ()), ("one", (1,)), ("few", (2, 5))]
 

@@ -47,7 +47,7 @@ def _assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
 
 def test_equals_ddp_through_fit_save_resume_validate_test_predict(pools, tmp_path):
     # ShardwiseStrategy's options here; resume_at_another_world_size takes strategy="shardwise"
-    options = dict(wrap={shardwise.models.Block}, activation_checkpointing={shardwise.models.Block})
+    options = dict(wrap={shardwise.job.models.Block}, activation_checkpointing={shardwise.job.models.Block})
     out = pools(2).run(
         fit_save_resume, str(tmp_path), True, options, accumulate_grad_batches=2, gradient_clip_val=CLIP,
     )[0]

@@ -10,7 +10,7 @@ import torch.nn as nn
 from nets import batch, local_slice, loss_of, make, train_pair, wrap_policy
 
 import shardwise
-from shardwise.unit import ReplicatedUnit, ShardedUnit
+from shardwise.core.unit import ReplicatedUnit, ShardedUnit
 
 
 # --- memory: shards are 1/N plus padding; full_shard keeps at most the limit gathered
@@ -152,11 +152,11 @@ def reductions_in_flight(strategy):
         elif name == "reduce_done":
             pending.discard(unit)
 
-    shardwise.events.listen(on)
+    shardwise.core.events.listen(on)
     try:
         loss_of(model, local_slice(x), local_slice(y)).backward()
     finally:
-        shardwise.events.unlisten(on)
+        shardwise.core.events.unlisten(on)
     return most, len(order), pending
 
 
@@ -184,11 +184,11 @@ def reshard_and_reduce_order(strategy):
         if name in ("reshard", "reduce_issue"):
             order.append((name, unit))
 
-    shardwise.events.listen(on)
+    shardwise.core.events.listen(on)
     try:
         loss.backward()
     finally:
-        shardwise.events.unlisten(on)
+        shardwise.core.events.unlisten(on)
     opt.step()
     loss_of(ref, x, y).backward()
     ref_opt.step()
@@ -308,8 +308,8 @@ def test_load_full_state_dict_names_the_bad_entry_on_every_rank(pools):
 
 # --- meta-device init equals eager init with the same seed
 def meta_init(size):
-    from shardwise.models import GPT, gpt_config
-    from shardwise.models import Block as GPTBlock
+    from shardwise.job.models import GPT, gpt_config
+    from shardwise.job.models import Block as GPTBlock
 
     cfg = gpt_config(size)
     torch.manual_seed(3)
@@ -384,7 +384,7 @@ def test_sharded_model_is_garbage_collected(pools, strategy, tracked):
 # --- a group made with one backend per device ("cpu:gloo", or init_process_group() without a
 # backend: "undefined") carries its tensors on Gloo here: shardwise takes Gloo's paths for it
 def composite_backend_pair():
-    from shardwise import groups
+    from shardwise.core import groups
 
     group = dist.new_group(backend="cpu:gloo")
     assert groups.backend(group) == "gloo", groups.backend(group)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardwise.data import corpus_text, corpus_tokens, decode, encode, get_batch, rank_slice
-from shardwise.models import GPT, GPT_SIZES, MLPStack, gpt_config, num_params
+from shardwise.job.data import corpus_text, corpus_tokens, decode, encode, get_batch, rank_slice
+from shardwise.job.models import GPT, GPT_SIZES, MLPStack, gpt_config, num_params
 
 NOMINAL = {"tiny": 0.1e6, "small": 10e6, "medium": 30e6, "large": 100e6}
 

@@ -21,8 +21,8 @@ import torch
 
 import shardwise
 from shardwise import checkpoint as ckpt
-from shardwise import train
-from shardwise.addresses import free_port
+from shardwise.core.addresses import free_port
+from shardwise.job import train
 
 TESTS = Path(__file__).resolve().parent
 # agents find shardwise where this process did (an installed copy, or this checkout's src/)

@@ -8,7 +8,7 @@ from nets import batch, local_slice, loss_of, make, wrap_policy
 
 import shardwise
 from shardwise import ShardwiseError
-from shardwise.unit import ShardedUnit
+from shardwise.core.unit import ShardedUnit
 
 
 def train(strategy, cpu_offload, steps=6):

@@ -19,7 +19,7 @@ from shardwise import moved
 
 SRC = Path(shardwise.__file__).resolve().parent
 EDGES = (
-    "shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.train", "shardwise.lightning",
+    "shardwise.planner", "shardwise.observer", "shardwise.bench", "shardwise.job.train", "shardwise.lightning",
     "shardwise.hf", "shardwise.ft", "shardwise.rl",
 )
 
@@ -73,7 +73,7 @@ def test_old_names_in_a_fresh_interpreter():
         "    from shardwise.tools.plan import plan\n"
         "    from shardwise.checkpointing import checkpoint_activations\n"
         "print(json.dumps([plan.__module__, checkpoint_activations.__module__, len(w)]))\n"
-    ) == ["shardwise.planner.plan", "shardwise.recompute", 2]
+    ) == ["shardwise.planner.plan", "shardwise.core.recompute", 2]
 
 
 def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -239,7 +239,7 @@ COMMUNICATION = {
     "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "send", "recv", "isend", "irecv",
     "batch_isend_irecv", "new_group", "init_process_group", "destroy_process_group",
 }
-OWN_TORCH_DISTRIBUTED = ("shardwise.collectives", "shardwise.groups", "shardwise.bench.", "shardwise.explore.rank")
+OWN_TORCH_DISTRIBUTED = ("shardwise.core.collectives", "shardwise.core.groups", "shardwise.bench.", "shardwise.explore.rank")
 
 
 def test_torch_distributed_communicates_only_from_the_modules_that_own_it():

@@ -24,7 +24,7 @@ from nets import (
 
 import shardwise
 from shardwise.bench.optimizers import fp32_newton_schulz, orthogonalized
-from shardwise.placement import choose_owners
+from shardwise.core.placement import choose_owners
 
 
 # --- models with matrices the nets do not have: a weight tied inside a unit, stacked experts

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise
-from shardwise import buckets
-from shardwise.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
+from shardwise.core import buckets
+from shardwise.job.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 from shardwise.observer import trace as T
 from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search

@@ -10,12 +10,12 @@ from nets import batch, local_slice, loss_of, make, wrap_policy
 
 import shardwise
 from shardwise import MixedPrecision, ShardwiseError
-from shardwise.unit import ShardedUnit
+from shardwise.core.unit import ShardedUnit
 
 
 def gpt_losses(mixed_precision, steps=20):
-    from shardwise.data import get_batch, rank_slice
-    from shardwise.models import GPT, Block, gpt_config
+    from shardwise.job.data import get_batch, rank_slice
+    from shardwise.job.models import GPT, Block, gpt_config
 
     torch.manual_seed(0)
     model = shardwise.shard(GPT(gpt_config("tiny")), wrap=shardwise.wrap.by_class(Block), mixed_precision=mixed_precision)

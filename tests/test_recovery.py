@@ -27,8 +27,8 @@ from test_streams import _Device
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import shardwise
-from shardwise import collectives
-from shardwise.streams import Streams
+from shardwise.core import collectives
+from shardwise.core.streams import Streams
 
 HOWS = ["forward", "backward", "loss", "callback"]
 
@@ -247,7 +247,7 @@ def test_compiled_blocks(pools):
 def live_tensors() -> tuple[int, int]:
     """Tensors alive in this process and the bytes of their distinct storages (after the
     posting threads have let go of the last messages they posted)."""
-    for poster in list(shardwise.collectives._posters.values()):
+    for poster in list(shardwise.core.collectives._posters.values()):
         poster.submit(int).result()
     gc.collect()
     tensors = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)]

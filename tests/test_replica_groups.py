@@ -1,4 +1,4 @@
-"""The seam for replica groups outside the job (shardwise.replica_groups, ``shard(fault_tolerance=...)``),
+"""The seam for replica groups outside the job (shardwise.core.replica_groups, ``shard(fault_tolerance=...)``),
 without torchft: a pool of 4 ranks stands for 2 jobs of 2 ranks whose rank r average with each
 other through a plain group (plain_groups.PlainGroups). Every strategy trains like one process
 on the groups' batches that take part in each step, the groups stay bitwise equal, and the

@@ -30,8 +30,8 @@ BROWSER_ARGS = [
 
 def traced_steps(steps: int = 2):
     """A real traced run: the built-in GPT, full_shard, one unit per block."""
-    from shardwise.data import get_batch, rank_slice
-    from shardwise.models import GPT, Block, gpt_config
+    from shardwise.job.data import get_batch, rank_slice
+    from shardwise.job.models import GPT, Block, gpt_config
 
     cfg = gpt_config("tiny", n_layer=3)
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ import torch
 from nets import make, wrap_policy
 
 import shardwise
-from shardwise import collectives as C
-from shardwise.layout import Layout
+from shardwise.core import collectives as C
+from shardwise.core.layout import Layout
 from shardwise.rl import packing
 from shardwise.rl.delta import Shadow
 from shardwise.rl.source import Export, Gathered, Scratch
@@ -121,9 +121,9 @@ def gather_every_unit(placement):
     and from the copy a push beside training takes (``Frozen``, over its own groups), which
     keeps the values of when it was taken while the shards change; then an ``into`` that does
     not hold the shard is refused on every rank before anything is sent."""
+    from shardwise.core.runtime import runtime_of
+    from shardwise.core.unit import ShardedUnit
     from shardwise.rl.source import Frozen, Live, PushGroups
-    from shardwise.runtime import runtime_of
-    from shardwise.unit import ShardedUnit
 
     model = make("tied")
     before = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}

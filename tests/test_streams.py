@@ -12,9 +12,9 @@ import torch.distributed as dist
 from nets import batch, local_slice, loss_of, make, wrap_policy
 
 import shardwise
-from shardwise import events
-from shardwise.streams import Streams, for_device
-from shardwise.unit import ShardedUnit
+from shardwise.core import events
+from shardwise.core.streams import Streams, for_device
+from shardwise.core.unit import ShardedUnit
 
 
 class _Event:

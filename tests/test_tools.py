@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise import events
-from shardwise.models import GPT, Block, gpt_config
+from shardwise.core import events
+from shardwise.job.models import GPT, Block, gpt_config
 from shardwise.observer import report
 from shardwise.observer import trace as T
 from shardwise.observer.accounting import kept_buckets

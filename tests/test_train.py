@@ -63,7 +63,7 @@ def test_train_hybrid_shard_reports_both_links():
 
 
 def test_train_refuses_shard_size_without_hybrid():
-    from shardwise.train import parse_args
+    from shardwise.job.train import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--strategy", "full_shard", "--shard-size", "2"])
@@ -86,7 +86,7 @@ def test_train_memory_budget_applies_the_plan(tmp_path):
 
 
 def test_train_memory_budget_refuses_what_it_chooses():
-    from shardwise.train import parse_args
+    from shardwise.job.train import parse_args
 
     for extra in (["--strategy", "no_shard"], ["--cpu-offload"], ["--activation-checkpointing"]):
         with pytest.raises(SystemExit):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.addresses import free_port
 from shardwise.bench import netns
+from shardwise.core.addresses import free_port
 
 HERE = Path(__file__).resolve().parent
 WHY = netns.unavailable()

@@ -7,8 +7,8 @@ import pytest
 from nets import TiedTransformer, counted_steps, train_pair
 
 import shardwise
+from shardwise.core.policies import Settings, UnitConfig
 from shardwise.observer.accounting import theory_bytes_per_step
-from shardwise.policies import Settings, UnitConfig
 
 BLOCK = shardwise.wrap.by_class(TiedTransformer().blocks[0].__class__)
 MIXED = Settings(
@@ -174,7 +174,7 @@ def test_settings_travel_and_compare_by_what_they_select():
 def test_recomputation_is_typed_and_users_names_still_work():
     import pickle
 
-    from shardwise.policies import Recompute
+    from shardwise.core.policies import Recompute
 
     by_name, by_member = UnitConfig(checkpoint="selective"), UnitConfig(checkpoint=Recompute.SELECTIVE)
     assert by_name == by_member and by_name.checkpoint is Recompute.SELECTIVE

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nets import batch, global_mean, local_slice, loss_of, make, wrap_policy
 
 import shardwise
-from shardwise.codecs import Codec
+from shardwise.core.codecs import Codec
 
 
 def expected_replica_bytes(model, codec) -> int:

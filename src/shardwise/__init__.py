@@ -9,7 +9,7 @@
 
 from typing import TYPE_CHECKING
 
-from . import moved, placement, wrap
+from . import moved
 from .api import (
     clip_grad_norm_,
     full_state_dict,
@@ -33,13 +33,14 @@ from .checkpoint import (
     save,
     save_pretrained,
 )
-from .collectives import CollectiveStats, comm_stats, reset_comm_stats
-from .errors import CollectiveError, ShardwiseError
-from .groups import init
+from .core import placement, wrap
+from .core.collectives import CollectiveStats, comm_stats, reset_comm_stats
+from .core.errors import CollectiveError, ShardwiseError
+from .core.groups import init
+from .core.policies import Comm, MixedPrecision, Settings, UnitConfig
+from .core.recompute import checkpoint_activations
+from .core.scaler import GradScaler
 from .options import ShardOptions
-from .policies import Comm, MixedPrecision, Settings, UnitConfig
-from .recompute import checkpoint_activations
-from .scaler import GradScaler
 
 if TYPE_CHECKING:  # what type checkers and editors see of the names loaded lazily below
     from .observer.accounting import dtype_table, held_bytes

@@ -14,17 +14,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
-from . import flight, groups, optimizer_guard
-from . import placement as placements
-from .build import broadcast_from_rank0, build
 from .checkpoint import load_full
-from .errors import ShardwiseError
-from .policies import Comm, MixedPrecision, Settings, Sharding
-from .replica_groups import ReplicaGroups
-from .runtime import require_idle, runtime_of
-from .unit import ShardedUnit, Unit
-from .wrap import Policy
+from .core import collectives as C
+from .core import flight, groups, optimizer_guard
+from .core import placement as placements
+from .core.build import broadcast_from_rank0, build
+from .core.errors import ShardwiseError
+from .core.policies import Comm, MixedPrecision, Settings, Sharding
+from .core.replica_groups import ReplicaGroups
+from .core.runtime import require_idle, runtime_of
+from .core.unit import ShardedUnit, Unit
+from .core.wrap import Policy
 
 Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_grad_op"]  # Sharding's names
 
@@ -119,7 +119,7 @@ def _replica_groups(fault_tolerance):
         raise ShardwiseError(
             f"fault_tolerance={type(fault_tolerance).__name__} is not replica groups: pass a "
             "shardwise.ft.Torchft(lighthouse=..., replica_id=...) (or an object with attach, "
-            "all_reduce and size: shardwise.replica_groups.ReplicaGroups)"
+            "all_reduce and size: shardwise.core.replica_groups.ReplicaGroups)"
         )
     return fault_tolerance
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "train": ("shardwise.train", "train the built-in GPT with shardwise and report memory and bytes sent"),
+    "train": ("shardwise.job.train", "train the built-in GPT with shardwise and report memory and bytes sent"),
     "plan": ("shardwise.planner.cli", "predict per-rank memory and bytes sent before launch, any model (no GPU needed)"),
     "report": ("shardwise.observer.report", "an HTML page of one traced step: timeline, memory, mechanism, figures"),
     "bench": ("shardwise.bench.cli", "benchmark shardwise against FSDP2, DDP and the compute floor"),

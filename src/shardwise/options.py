@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import wrap as wraps
 from .api import shard
-from .errors import ShardwiseError
-from .placement import Placement
-from .policies import Comm, MixedPrecision, Sharding
-from .recompute import checkpoint_activations
+from .core import wrap as wraps
+from .core.errors import ShardwiseError
+from .core.placement import Placement
+from .core.policies import Comm, MixedPrecision, Sharding
+from .core.recompute import checkpoint_activations
 
 Classes = Collection[type[nn.Module]]
 

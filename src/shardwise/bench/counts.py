@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.runtime import flat_tensors
 from ..observer import accounting
-from ..runtime import flat_tensors
 
 
 class CommCounter(TorchDispatchMode):

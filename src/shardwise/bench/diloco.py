@@ -171,7 +171,8 @@ def worker(b: DilocoBench, name: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from .. import api, groups, wrap
+    from .. import api
+    from ..core import groups, wrap
     from .harness import BenchConfig, build_system, device_meshes, workload
     from .optimizers import make_optimizers
 

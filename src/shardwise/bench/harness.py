@@ -43,12 +43,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import groups
-from ..codecs import FORMATS as WIRE_FORMATS
-from ..codecs import Codec
+from ..core import groups
+from ..core.codecs import FORMATS as WIRE_FORMATS
+from ..core.codecs import Codec
+from ..core.policies import STRATEGIES, Comm, Sharding
 from ..observer import charts
 from ..observer.accounting import theory
-from ..policies import STRATEGIES, Comm, Sharding
 from . import counts as bench_counts
 from . import machine
 from .netns import link_rate
@@ -278,8 +278,8 @@ class Workload:
 
 def workload(cfg: BenchConfig, rank: int, world: int, device: torch.device) -> Workload:
     """The model and data for ``cfg.model``: the same seed and batches on every system."""
-    from ..data import get_batch, rank_slice
-    from ..models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
+    from ..job.data import get_batch, rank_slice
+    from ..job.models import GPT, MHAGPT, Block, Layer, MHABlock, MLPStack, gpt_config
 
     rows = cfg.batch_size * world  # one global batch per step, split among the ranks
     mha = cfg.model == "mha"
@@ -343,7 +343,8 @@ def device_meshes(cfg: BenchConfig, device: torch.device) -> dict[int, object]:
 def build_system(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes: dict):
     """A fresh model of system ``name`` from the seed, its optimizers (``bench_optim``), and the
     forward's context (``meshes``: from ``device_meshes``)."""
-    from .. import api, placement, wrap
+    from .. import api
+    from ..core import placement, wrap
 
     torch.manual_seed(cfg.seed)
     model = work.build().to(device)
@@ -464,7 +465,7 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
     """Build ``name`` from the seed, run its warm-up and timed steps, free it; return the
     step times, the first step's loss and, per timed step, this process's CPU seconds (all its
     threads, Gloo's included) and the whole machine's busy CPU seconds (Linux)."""
-    from ..collectives import comm_stats, reset_comm_stats
+    from ..core.collectives import comm_stats, reset_comm_stats
 
     model, opts, autocast = build_system(name, cfg, work, device, meshes)
     if device.type == "cuda":
@@ -496,7 +497,7 @@ def timed_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.devic
 def counted_visit(name: str, cfg: BenchConfig, work: Workload, device: torch.device, meshes) -> dict:
     """One more visit of ``name``: after the warm-up steps, one step under ``CommCounter`` and,
     on CPU, one under ``MemTracker`` (both slow every op down, so no timed step runs under them)."""
-    from ..collectives import comm_stats, reset_comm_stats
+    from ..core.collectives import comm_stats, reset_comm_stats
 
     model, opts, autocast = build_system(name, cfg, work, device, meshes)
     ddp = bench_counts.ddp_buckets(model) if device.type == "cpu" else None

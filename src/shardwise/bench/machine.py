@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..groups import device
+from ..core.groups import device
 
 QUIET_PATIENCE_S = 60.0  # longest wait for a quiet machine before a visit
 

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import groups
-from ..policies import STRATEGIES, Sharding
+from ..core import groups
+from ..core.policies import STRATEGIES, Sharding
 
 SYSTEMS = ("plain", "ddp", "fsdp2", "shardwise")
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward", "optimizer")
@@ -135,7 +135,8 @@ def build(system: str, cfg: OverheadConfig, units: int, device: torch.device, me
     """A fresh ``system`` of ``units`` blocks from the seed: the model, its SGD, its autocast."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .. import api, wrap
+    from .. import api
+    from ..core import wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(*(Block(cfg.width) for _ in range(units))).to(device)

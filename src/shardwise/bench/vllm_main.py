@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
         return
     if cfg.nodes == 2:
         return vllm_link.run(vllm_push.build_model(cfg), cfg, argv)
-    from ..groups import launch_local
+    from ..core.groups import launch_local
 
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
     vllm_push.report(cfg, launch_local(cfg.nproc, vllm_push.run_rank, cfg)[0])

@@ -177,7 +177,7 @@ def copy_bandwidth(nbytes: int) -> float:
 def run_rank(cfg: Config) -> dict:
     import shardwise
 
-    from ..groups import DEFAULT_TIMEOUT_S
+    from ..core.groups import DEFAULT_TIMEOUT_S
     from ..rl.source import exports
 
     shardwise.init(timeout=SERVE_TIMEOUT_S if cfg.nodes == 2 else DEFAULT_TIMEOUT_S)
@@ -260,7 +260,7 @@ def _sync(model, engine, cfg: Config, **kw):
 
 def _largest_unit(model) -> int:
     """Bytes of the largest unit's full parameters, in their dtype (what one gather holds)."""
-    from ..runtime import runtime_of
+    from ..core.runtime import runtime_of
 
     rt = runtime_of(model)
     return max(sum(s.numel for s in u.layout.slots) * u.flat_shard.element_size()

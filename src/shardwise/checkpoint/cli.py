@@ -14,7 +14,7 @@ import argparse
 
 import torch.nn as nn
 
-from ..errors import ShardwiseError
+from ..core.errors import ShardwiseError
 from .conversion import convert
 
 

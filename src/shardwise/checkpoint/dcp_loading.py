@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .. import collectives as C
-from ..policies import Sharding
+from ..core import collectives as C
+from ..core.policies import Sharding
 from . import dcp
 from .index import CheckpointError
 from .load_plan import CheckpointInfo, LoadPlan, agree_on_problems, listed

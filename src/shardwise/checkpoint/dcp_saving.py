@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from .. import collectives as C
+from ..core import collectives as C
 from . import commit, dcp
 from .handle import SaveHandle
 from .index import CheckpointError, is_dcp

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import ShardwiseError
+from ..core.errors import ShardwiseError
 from .files import checksum, dtype_name, dtype_of, header
 
 FORMAT = "shardwise-checkpoint"

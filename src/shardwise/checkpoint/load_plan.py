@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from .. import collectives as C
-from ..policies import Sharding
+from ..core import collectives as C
+from ..core.policies import Sharding
 from . import files
 from .index import CheckpointError, Piece
 

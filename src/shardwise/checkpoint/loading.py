@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
 
-from ..policies import Sharding
+from ..core.policies import Sharding
 from . import pretrained
 from .handle import finish_pending
 from .index import CheckpointError, Index, Piece, TensorRecord, is_dcp, read_index

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import collectives as C
-from .. import flight
-from ..errors import ShardwiseError
-from ..runtime import Runtime
-from ..unit import Unit
+from ..core import collectives as C
+from ..core import flight
+from ..core.errors import ShardwiseError
+from ..core.runtime import Runtime
+from ..core.unit import Unit
 from . import files
 from .handle import finish_pending
 from .index import CheckpointError

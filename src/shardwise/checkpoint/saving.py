@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import collectives as C
-from .. import groups
+from ..core import collectives as C
+from ..core import groups
 from . import commit, files
 from .handle import SaveHandle, finish_pending, saves_of
 from .index import CheckpointError, Index, Piece, TensorRecord, rank_file, storable_hyper

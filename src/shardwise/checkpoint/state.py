@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import runtime as runtimes
-from ..layout import Layout
-from ..runtime import Runtime
-from ..unit import ShardedUnit
+from ..core import runtime as runtimes
+from ..core.layout import Layout
+from ..core.runtime import Runtime
+from ..core.unit import ShardedUnit
 from .index import CheckpointError
 
 

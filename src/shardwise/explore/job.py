@@ -11,7 +11,7 @@ import sys
 from collections import deque
 from collections.abc import Callable
 
-from ..addresses import free_port
+from ..core.addresses import free_port
 
 ERROR_LINES = 12  # the tail of a rank's stderr kept to show why it died
 

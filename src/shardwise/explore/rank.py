@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise
-from shardwise import groups
+from shardwise.core import groups
 from shardwise.observer.accounting import held_bytes, theory_bytes_per_step
 from shardwise.observer.trace import summary, trace
 
@@ -207,7 +207,7 @@ _PARAMS = {"gather_issue": "gathering", "gather_done": "gathered", "reshard": "s
 
 def _cell(unit) -> dict[str, Any]:
     """A unit's state between stages, as the mechanism view shows it."""
-    from shardwise.unit import ShardedUnit
+    from shardwise.core.unit import ShardedUnit
 
     return {"params": "sharded" if isinstance(unit, ShardedUnit) else "whole", "compute": "", "reducing": False}
 

@@ -17,7 +17,7 @@ from .quorum import Quorum
 if TYPE_CHECKING:
     from torchft.manager import Manager
 
-    from ..runtime import Runtime
+    from ..core.runtime import Runtime
     from .place import Place
 
 

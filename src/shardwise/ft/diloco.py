@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.state import param_slots
-from ..errors import ShardwiseError
+from ..core.errors import ShardwiseError
 from .errors import FaultToleranceError
 from .feedback import Feedback, codec_of
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ShardwiseError
+from ..core.errors import ShardwiseError
 
 
 class FaultToleranceError(ShardwiseError):

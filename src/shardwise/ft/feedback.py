@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..codecs import Codec
-from ..errors import ShardwiseError
+from ..core.codecs import Codec
+from ..core.errors import ShardwiseError
 from .topk import TopK2Bit
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.state import ParamSlot, optimizer_names, param_slots, persistent_buffers
-from ..runtime import Runtime
+from ..core.runtime import Runtime
 from .errors import CannotHeal
 
 

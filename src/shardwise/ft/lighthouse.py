@@ -17,7 +17,7 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
-from ..addresses import route_to
+from ..core.addresses import route_to
 
 DEFAULT_PORT = 29510
 HEARTBEAT_TIMEOUT_MS = 2000

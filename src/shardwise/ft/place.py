@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import collectives as C
-from .. import groups
+from ..core import collectives as C
+from ..core import groups
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-from .. import groups
+from ..core import groups
 from .errors import CannotHeal, FaultToleranceError, LighthouseLost
 from .heal import FIX
 from .lighthouse import reachable

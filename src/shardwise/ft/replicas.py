@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 from torchft.manager import Manager
 
-from ..errors import ShardwiseError
-from ..runtime import runtime_of
+from ..core.errors import ShardwiseError
+from ..core.runtime import runtime_of
 from . import heal
 from .diloco import DiLoCo, Done, fragments_of, nesterov, outer_optimizer_of
 from .errors import FaultToleranceError

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torchft.manager import Manager
 
-from .. import collectives as C
-from .. import groups
 from ..checkpoint.state import param_slots
-from ..errors import ShardwiseError
+from ..core import collectives as C
+from ..core import groups
+from ..core.errors import ShardwiseError
 from . import heal
 from .across import Across
 from .errors import CannotHeal, FaultToleranceError, LighthouseUnreachable

@@ -22,7 +22,7 @@ import torch.nn as nn
 from accelerate import Accelerator
 
 from ..api import clip_grad_norm_, no_sync
-from ..errors import ShardwiseError
+from ..core.errors import ShardwiseError
 from ..options import is_sharded
 
 

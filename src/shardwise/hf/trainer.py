@@ -23,10 +23,10 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..checkpoint import load, load_full, save, save_pretrained
 from ..checkpoint.commit import is_complete
-from ..errors import ShardwiseError
-from ..groups import init
+from ..core.errors import ShardwiseError
+from ..core.groups import init
+from ..core.runtime import runtime_of
 from ..options import ShardOptions, is_sharded, mixed_precision_of, shard_with
-from ..runtime import runtime_of
 from .accelerator import ShardwiseAccelerator
 
 SHARDS_DIR = "shardwise"  # in each checkpoint-N: the model's and optimizer's shards

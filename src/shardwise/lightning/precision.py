@@ -16,9 +16,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 
 from ..api import clip_grad_norm_
-from ..errors import ShardwiseError
-from ..runtime import runtime_of
-from ..scaler import GradScaler
+from ..core.errors import ShardwiseError
+from ..core.runtime import runtime_of
+from ..core.scaler import GradScaler
 
 # Lightning's precision flag -> shardwise's mixed_precision (None: the parameters' own dtype)
 MIXED = {"32-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": None}

@@ -39,14 +39,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from .. import collectives as C
-from .. import groups
 from ..api import no_sync
 from ..checkpoint import load, save
 from ..checkpoint.commit import is_complete
-from ..errors import ShardwiseError
+from ..core import collectives as C
+from ..core import groups
+from ..core.errors import ShardwiseError
+from ..core.policies import MixedPrecision, Sharding
 from ..options import ShardOptions, is_sharded, mixed_precision_of, shard_with
-from ..policies import MixedPrecision, Sharding
 from .precision import ShardwisePrecision, plugin_of
 
 _META_KEY = "lightning"  # the checkpoint's ``extra`` key holding Lightning's state

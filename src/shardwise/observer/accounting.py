@@ -8,11 +8,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..api import units
-from ..codecs import Codec
-from ..collectives import step_check_nbytes
-from ..policies import Sharding
-from ..runtime import runtime_of
-from ..unit import ReplicatedUnit, ShardedUnit
+from ..core.codecs import Codec
+from ..core.collectives import step_check_nbytes
+from ..core.policies import Sharding
+from ..core.runtime import runtime_of
+from ..core.unit import ReplicatedUnit, ShardedUnit
 
 
 def _full_numel(model: nn.Module) -> dict[nn.Parameter, int]:

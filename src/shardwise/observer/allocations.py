@@ -26,7 +26,7 @@ from torch._C._profiler import (
 from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime import flat_tensors
+from ..core.runtime import flat_tensors
 
 
 class Allocations:

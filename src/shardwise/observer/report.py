@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..policies import Sharding
+from ..core.policies import Sharding
 from . import accounting
 from . import trace as T
 

@@ -7,7 +7,7 @@
         t.save("run.trace.json")           # the compact trace `shardwise report` reads
         t.save_chrome("run.chrome.json")   # Perfetto / chrome://tracing
 
-Spans come from the life-cycle events of ``shardwise.events`` (compute of each unit in each
+Spans come from the life-cycle events of ``shardwise.core.events`` (compute of each unit in each
 pass, gathers, reshards, reductions) plus the optimizer's step. A communication span runs from
 its issue to the moment the tracer first saw it complete: at the next life-cycle event, or at
 the wait, whichever came first (an upper bound of the transfer's end).
@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import collectives as C
-from .. import events, groups
-from ..collectives import comm_stats
-from ..runtime import Phase, flat_tensors, runtime_of
-from ..unit import ShardedUnit, Unit
+from ..core import collectives as C
+from ..core import events, groups
+from ..core.collectives import comm_stats
+from ..core.runtime import Phase, flat_tensors, runtime_of
+from ..core.unit import ShardedUnit, Unit
 from .accounting import dtype_name
 from .allocations import Allocations, FakeAllocations
 

@@ -50,8 +50,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..errors import ShardwiseError
-from ..policies import Settings, Sharding, UnitConfig
+from ..core.errors import ShardwiseError
+from ..core.policies import Settings, Sharding, UnitConfig
 from .costs import Rates
 
 LEAST = 1e-3  # a move that lowers the peak by less than this share costs time for nothing

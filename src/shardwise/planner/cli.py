@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .. import placement as placements
-from ..errors import ShardwiseError
-from ..policies import Sharding
-from ..wrap import auto, by_size
+from ..core import placement as placements
+from ..core.errors import ShardwiseError
+from ..core.policies import Sharding
+from ..core.wrap import auto, by_size
 from .plan import plan
 from .render import as_dict
 
@@ -112,7 +112,7 @@ def _model(a: argparse.Namespace):
         return a.model, resolve(a.model, "--model"), inputs, loss, a.seq_len
     from functools import partial
 
-    from ..models import GPT, gpt_config
+    from ..job.models import GPT, gpt_config
 
     size = a.model_size or "small"
     seq_len = a.seq_len or 64

@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 from ..api import units
+from ..core.policies import Recompute, Settings, Sharding
+from ..core.unit import ShardedUnit
+from ..core.wrap import Policy
 from ..observer.trace import when
-from ..policies import Recompute, Settings, Sharding
-from ..unit import ShardedUnit
-from ..wrap import Policy
 
 
 @dataclass(frozen=True)

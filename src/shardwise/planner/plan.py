@@ -31,19 +31,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import collectives, events, groups
-from ..activation_offload import is_activation
 from ..api import shard
-from ..build import select_units
-from ..errors import ShardwiseError
+from ..core import collectives, events, groups
+from ..core.activation_offload import is_activation
+from ..core.build import select_units
+from ..core.errors import ShardwiseError
+from ..core.placement import Placement
+from ..core.policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
+from ..core.recompute import checkpoint_activations
+from ..core.scaler import GradScaler
+from ..core.wrap import Policy
 from ..observer.accounting import theory
 from ..observer.allocations import FakeAllocations
 from ..observer.trace import trace
-from ..placement import Placement
-from ..policies import Comm, MixedPrecision, Settings, Sharding, UnitConfig
-from ..recompute import checkpoint_activations
-from ..scaler import GradScaler
-from ..wrap import Policy
 from . import budget as search
 from . import repeats as repeats_
 from .costs import rates as measured_rates

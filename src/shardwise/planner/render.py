@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import ShardwiseError
-from ..policies import Settings
+from ..core.errors import ShardwiseError
+from ..core.policies import Settings
 from . import budget as search
 from .estimate import ONE_MEMORY, Estimate
 

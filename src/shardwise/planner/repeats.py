@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
-from ..policies import Settings
+from ..core.policies import Settings
 from .estimate import Estimate, UnitRow
 
 FROM = 12  # blocks at least, for the runs of a few to cost less than the whole

@@ -17,7 +17,7 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import ShardwiseError
+from ..core.errors import ShardwiseError
 
 
 class EngineError(ShardwiseError):

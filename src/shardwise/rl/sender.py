@@ -31,9 +31,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from .. import collectives as C
 from ..checkpoint.state import idle_world_runtime
-from ..runtime import require_idle
+from ..core import collectives as C
+from ..core.runtime import require_idle
 from . import packing
 from .clients import EngineError
 from .delta import Patch, Shadow

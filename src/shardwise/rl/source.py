@@ -35,8 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import collectives as C
-from .. import flight, groups
 from ..checkpoint.pretrained import (
     Exported,
     exported_tensors,
@@ -45,9 +43,11 @@ from ..checkpoint.pretrained import (
     merged_names,
 )
 from ..checkpoint.state import idle_world_runtime, owned_rows
-from ..errors import ShardwiseError
-from ..runtime import Runtime
-from ..unit import ShardedUnit
+from ..core import collectives as C
+from ..core import flight, groups
+from ..core.errors import ShardwiseError
+from ..core.runtime import Runtime
+from ..core.unit import ShardedUnit
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import addresses
-from .. import collectives as C
-from ..errors import ShardwiseError
-from ..runtime import require_idle
+from ..core import addresses
+from ..core import collectives as C
+from ..core.errors import ShardwiseError
+from ..core.runtime import require_idle
 from .clients import EngineError, LLMClient, ServerClient, Watched
 from .plugin import register
 from .sender import Feed, ShardwiseSource

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from .. import collectives as C
+from ..core import collectives as C
 
 
 class Transport:

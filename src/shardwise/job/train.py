@@ -31,20 +31,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import api, checkpoint, groups
-from . import collectives as C
-from .collectives import comm_stats, reset_comm_stats
+from .. import api, checkpoint
+from ..core import collectives as C
+from ..core import groups
+from ..core.collectives import comm_stats, reset_comm_stats
+from ..core.policies import STRATEGIES, WIRE_FORMATS, Comm, Settings, Sharding
+from ..core.recompute import checkpoint_activations
+from ..core.runtime import runtime_of
+from ..core.scaler import GradScaler
+from ..core.wrap import by_class, by_size
+from ..observer import charts, report
+from ..observer.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
+from ..observer.trace import trace
+from ..planner.plan import plan
 from .data import get_batch, rank_slice
 from .models import GPT, Block, gpt_config
-from .observer import charts, report
-from .observer.accounting import dtype_table, held_bytes, kept_buckets, theory_bytes_per_step
-from .observer.trace import trace
-from .planner.plan import plan
-from .policies import STRATEGIES, WIRE_FORMATS, Comm, Settings, Sharding
-from .recompute import checkpoint_activations
-from .runtime import runtime_of
-from .scaler import GradScaler
-from .wrap import by_class, by_size
 
 
 @dataclass

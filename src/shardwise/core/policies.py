@@ -65,7 +65,7 @@ class MixedPrecision:
 @dataclass(frozen=True)
 class Comm:
     """Precision on the wire, per collective: what a message is encoded in just before it
-    leaves a rank and decoded from just after it arrives (shardwise.codecs). Master weights,
+    leaves a rank and decoded from just after it arrives (shardwise.core.codecs). Master weights,
     gradients as they land and optimizer state keep their dtype; sums are taken in fp32.
 
     gather: the parameters' all-gather. Every rank, the shard's own one included, computes on
@@ -78,7 +78,7 @@ class Comm:
     reduce-scatter as above, then a gather of the encoded sums.
     Each is None (exact: the dtype itself), "bf16", "fp8" (e4m3, per-block scales) or "int8"
     (per-block scales); ``gather_codec``, ``reduce_codec`` and ``replicate_codec`` are their
-    codecs (shardwise.codecs), resolved once here.
+    codecs (shardwise.core.codecs), resolved once here.
     error_feedback: keep what encoding dropped from each gradient row this rank sent and add
     it to the next step's row, so rounding errors are delayed rather than lost (the residual
     is saved in checkpoints).

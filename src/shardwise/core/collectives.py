@@ -22,7 +22,7 @@ two units' collectives: with equal sizes that sums the wrong tensors silently, a
 aborts the process that receives a larger message than it expects. Reductions may also
 come in a different order on different ranks (a unit whose backward runs later on one rank).
 
-Note [wire precision]: with a codec (shardwise.codecs; the unit's ``Comm`` policy) a message
+Note [wire precision]: with a codec (shardwise.core.codecs; the unit's ``Comm`` policy) a message
 is encoded just before it leaves and decoded just after it arrives; whatever stays on a rank is
 never encoded, except where ranks must agree. A gather hands out every rank's shard decoded,
 this rank's own too, so every rank computes on the same full parameters. A reduce-scatter
