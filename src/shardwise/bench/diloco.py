@@ -29,7 +29,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 SYSTEMS = ("alone", "shardwise/hybrid_shard", "fsdp2/hybrid_shard", "diloco+int8", "diloco+topk")
@@ -133,6 +133,8 @@ def run_system(b: DilocoBench, name: str) -> dict:
 def row_of(out: Path, name: str) -> dict:
     """System ``name``'s row from its nodes' reports in ``out`` (each counts its own ranks' tokens)."""
     reports = [json.loads(p.read_text()) for p in sorted(out.glob(f"diloco-{_slug(name)}-node*.json"))]
+    if sorted(r["node"] for r in reports) != [0, 1]:
+        raise SystemExit(f"shardwise bench --diloco: {name} left reports of nodes {[r['node'] for r in reports]}, not 0 and 1")
     link_bytes = next(r["link_bytes"] for r in reports if r["node"] == 0)
     tokens = sum(r["tokens"] for r in reports)
     return {
@@ -179,6 +181,8 @@ def worker(b: DilocoBench, name: str) -> None:
     groups.init()
     torch.set_num_threads(1)
     rank, world, device = dist.get_rank(), dist.get_world_size(), groups.device()
+    # (torchrun's ranks per node: --nproc cannot reach a worker, torchrun's parser takes it for its own)
+    b = replace(b, nproc=int(os.environ["LOCAL_WORLD_SIZE"]))
     across = not (name == "alone" or name.startswith("diloco"))
     node = rank // b.nproc if across else int(os.environ["SHARDWISE_BENCH_NODE"])
     warmup, steps = (2, b.exact_steps) if across else (b.sync_every, b.rounds * b.sync_every)
