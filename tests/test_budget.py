@@ -22,9 +22,8 @@ import shardwise
 from shardwise.core.policies import MixedPrecision, Settings, UnitConfig
 from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
-from shardwise.planner import cli
+from shardwise.planner import cli, costs
 from shardwise.planner import plan as P
-from shardwise.planner import costs
 from shardwise.planner.costs import Rates
 from shardwise.planner.estimate import estimate_of
 from shardwise.planner.render import as_dict
