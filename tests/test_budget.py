@@ -22,7 +22,7 @@ import shardwise
 from shardwise.core.policies import MixedPrecision, Settings, UnitConfig
 from shardwise.observer.accounting import kept_buckets
 from shardwise.planner import budget as search
-from shardwise.planner import cli
+from shardwise.planner import cli, costs
 from shardwise.planner import plan as P
 from shardwise.planner.costs import Rates
 from shardwise.planner.estimate import estimate_of
@@ -191,6 +191,25 @@ def measure_device(name: str, settings) -> dict:
     return {"device": tracker.device_peak, "step": tracker.step_peak, "host": tracker.host_peak, "labels": labels}
 
 
+def test_nccl_planned_without_a_gpu_at_reference_rates(monkeypatch, tmp_path):
+    """Planned for NCCL where there is no GPU, a step is priced at a reference GPU's rates in the
+    run's compute dtype, not at this CPU's (which made a 70B step read 7 hours and recomputation
+    look a thousand times dearer than it is), and the choice says which rates its time is at."""
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs.torch.cuda, "is_available", lambda: False)
+    bf16 = costs.rates("nccl", torch.bfloat16)
+    assert (bf16.flops, bf16.where) == (costs.REFERENCE_FLOPS[torch.bfloat16], costs.REFERENCE_GPU)
+    cpu = costs.rates("gloo")
+    assert cpu.where == f"rates measured on cpu x{torch.get_num_threads()}, float32"
+    assert cpu.flops < costs.REFERENCE_FLOPS[torch.float32] / 10
+    build, block, inputs, loss_fn = MODELS["gpt"]
+    p = P.plan(
+        build, world_size=2, wrap=shardwise.wrap.by_class(block), batch_size=BATCH, inputs=inputs,
+        loss=loss_fn, holds_output=False, backend="nccl", mixed_precision="bf16", budget="1TiB",
+    )
+    assert p.choice is not None and p.reason.endswith(f"(step times at {costs.REFERENCE_GPU})"), p.reason
+
+
 @pytest.mark.parametrize("name", ["gpt", "mha"])
 def test_activation_offload_chosen_on_two_memories(pools, monkeypatch, name):
     """Planned for a GPU (NCCL) with a cheap host link, a budget between the peaks with every
@@ -199,7 +218,7 @@ def test_activation_offload_chosen_on_two_memories(pools, monkeypatch, name):
     copies, less at most the unit's input (B x T x d fp32: the unit before it holds it anyway);
     ``shard(plan=p)`` offloads that unit's activations, and a real step's device peak is within
     3% of the prediction."""
-    monkeypatch.setattr(P, "measured_rates", lambda backend: CHEAP_HOST)
+    monkeypatch.setattr(P, "measured_rates", lambda backend, dtype: CHEAP_HOST)
     build, block, inputs, loss_fn = MODELS[name]
     kw = dict(
         world_size=1, strategy="full_shard", wrap=shardwise.wrap.by_class(block),
@@ -324,7 +343,7 @@ def test_blocks_decided_together_as_fast_as_a_move_per_unit(monkeypatch, name):
     from shardwise.planner import repeats
 
     pytest.importorskip("transformers", reason="needs the hf extra: pip install 'shardwise[hf]'")
-    monkeypatch.setattr(P, "measured_rates", lambda backend: FIXED)
+    monkeypatch.setattr(P, "measured_rates", lambda backend, dtype: FIXED)
     # units alone: these tiny models' blocks would share one Gloo bucket, whose buffer moves the
     # few-block window by one run, so the searches' costs would compare buckets, not the searches
     monkeypatch.setattr(buckets, "BUCKET_BYTES", 0)

@@ -452,6 +452,7 @@ def plan(
     if budget is not None:
         result.budget = parse_bytes(budget)
         step, result.reason = search.choose(steps, result.budget)
+        result.reason += f" (step times at {planner.rates.where})"
         result.choice = step.estimate if step else None
     return result
 
@@ -577,7 +578,7 @@ class _Planner:
             if hybrid
             else (Sharding.SHARD_GRAD_OP, Sharding.FULL_SHARD)
         )
-        self.rates = measured_rates(backend)
+        self.rates = measured_rates(backend, self.job.precision.param_dtype or torch.float32)
         steps, dropped, self.profile = search.path(
             together, wrap, self.sharded, self.run, profile_of, self.rates,
             world=world, offload=not self.one_memory, budget=budget, progress=progress,
