@@ -6,6 +6,7 @@ another's private names, no import circle, torch.distributed's collectives calle
 owners only."""
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -55,6 +56,12 @@ def test_public_names_resolve_and_are_listed():
 
 @pytest.mark.parametrize("old", sorted(moved.MOVED))
 def test_old_module_names_import_the_new_module_with_a_warning(old):
+    try:
+        importlib.import_module(moved.MOVED[old])
+    except ModuleNotFoundError as e:  # (rl.sender is vLLM's plugin: it needs the vllm extra)
+        if e.name and not e.name.startswith("shardwise"):
+            pytest.skip(f"{moved.MOVED[old]} needs {e.name}: its extra is not installed")
+        raise
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {moved.MOVED[old]}"):
         module = __import__(old, fromlist=["_"])
