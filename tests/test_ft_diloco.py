@@ -257,7 +257,8 @@ def test_streaming_diloco_group_killed_mid_round_comes_back_with_each_fragments_
     got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
     assert [r for r in got[0]["rounds"] if r[1] == 1 and r[2]], got[0]["rounds"]  # (group 0 alone)
     assert got[1]["run"] == "1" and got[1]["heal"] is not None and got[1]["heal"][1] > 0, got[1]
-    assert got[1]["heal"][0] > 5 and got[0]["step"] == got[1]["step"] >= 16, (got[1]["heal"], got[0]["step"])
+    # (back at the step it died in, or later: under load group 0 may still be there)
+    assert got[1]["heal"][0] >= 5 and got[0]["step"] == got[1]["step"] >= 16, (got[1]["heal"], got[0]["step"])
     for rank in (0, 1):
         mine, theirs = (torch.load(jobs.out / f"g{g}-outer{rank}.pt") for g in (0, 1))
         assert theirs["fresh"], "the healed group's parameters are not the global ones after the sync it sat out"
