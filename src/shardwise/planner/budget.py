@@ -316,15 +316,15 @@ def needs(step: Step) -> int:
     return math.ceil(step.estimate.peak * (1 + MARGIN))
 
 
-def choose(steps: list[Step], budget: int) -> tuple[Step | None, str]:
+def choose(steps: list[Step], budget: int, at: str = "") -> tuple[Step | None, str]:
     """The first step of the path that fits ``budget`` with the margin (the fastest that
-    does), and why."""
+    does), and why (``at``: the rates its step time is priced at)."""
     for i, s in enumerate(steps):
         if needs(s) <= budget:
             share = f"{100 * s.estimate.peak / budget:.0f}%"
             why = (
                 f"{describe(s.settings)}: predicted peak {_fmt(s.estimate.peak)} of {_fmt(budget)} ({share}), "
-                f"predicted step {1e3 * s.seconds:.1f} ms"
+                f"predicted step {1e3 * s.seconds:.1f} ms" + (f" (at {at})" if at else "")
             )
             if i:
                 why += ". Faster configurations do not fit: " + "; ".join(

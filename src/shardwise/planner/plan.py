@@ -451,8 +451,7 @@ def plan(
     result = Plan(estimates, title, n_params, one_memory=planner.one_memory, path=steps, dropped=dropped)
     if budget is not None:
         result.budget = parse_bytes(budget)
-        step, result.reason = search.choose(steps, result.budget)
-        result.reason += f" (step times at {planner.rates.where})"
+        step, result.reason = search.choose(steps, result.budget, at=planner.rates.where)
         result.choice = step.estimate if step else None
     return result
 
