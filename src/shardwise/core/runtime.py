@@ -386,7 +386,8 @@ class Runtime:
             rt._start_backward()  # no_shard has no forward hooks that could
             u.grads_ready += 1
             u.used[j] = True
-            if rt.sync_grads and isinstance(u, ReplicatedUnit):
+            # (only a unit's last gradient can let the reductions in order move on)
+            if rt.sync_grads and u.grads_ready >= u.num_trainable and isinstance(u, ReplicatedUnit):
                 rt._reduce_in_order(ready_only=True)
 
         return hook

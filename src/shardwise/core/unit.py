@@ -705,6 +705,7 @@ class ReplicatedUnit(Unit):
         self._reduce: C.Pending | None = None
         self._replica_groups_reduce: C.Pending | None = None  # the average across replica groups outside the job
         self._bucket: torch.Tensor | None = None
+        self._pieces: list[torch.Tensor] | None = None  # one rank with a cast: each gradient, cast
 
     def unshard(self) -> None:
         if self.state is UnitState.SHARDED:
@@ -740,13 +741,25 @@ class ReplicatedUnit(Unit):
                     view.copy_(c.grad)
                 c.grad = view
             self._bucket = self._flat_grad
+        elif self.world == 1 and self.replica_groups is None:
+            # nothing to reduce: each gradient is only brought to the reduction dtype, as its
+            # piece of the bucket would be (no concatenation and split per step)
+            self._pieces = [
+                c.grad.to(self.reduce_dtype) if c.grad is not None else torch.zeros_like(c, dtype=self.reduce_dtype)
+                for c in compute
+            ]
         else:
             self._bucket = torch.cat([
                 c.grad.reshape(-1) if c.grad is not None else c.new_zeros(c.numel()) for c in compute
             ]).to(self.reduce_dtype)
-            if self.casts:
-                for c in compute:
-                    c.grad = None
+        if self.casts:
+            for c in compute:
+                c.grad = None
+        if self._pieces is not None:
+            self.reduce_issued = True
+            if events.listeners:
+                events.emit("reduce_issue", self.label, bytes=sum(g.numel() for g in self._pieces) * self.reduce_dtype.itemsize)
+            return
         if self.world > 1:
             self._reduce = C.all_reduce(  # see Runtime.reduce
                 self._bucket, self.group, self.label, codec=self.reduce_codec, channel=self.channel,
@@ -768,21 +781,24 @@ class ReplicatedUnit(Unit):
             self._replica_groups_reduce = C.replica_groups_all_reduce(self._bucket, self.replica_groups, self.label)
 
     def finish_reduce(self) -> None:
-        if self._bucket is None:
-            return
-        self.advance_reduce()
-        if self._replica_groups_reduce is not None:
-            self._replica_groups_reduce.wait()
-            self._replica_groups_reduce = None
-        elif self.world > 1:
-            self._bucket.div_(self.world)
-        if self._flat_grad is not None:  # the gradients are views of the bucket already
-            self._reduce = self._bucket = None
-            if events.listeners:
-                events.emit("reduce_done", self.label)
-            return
         params = self._grad_holders()
-        pieces = self._bucket.split([p.numel() for p in params])
+        if self._pieces is not None:
+            pieces, self._pieces = self._pieces, None
+        elif self._bucket is None:
+            return
+        else:
+            self.advance_reduce()
+            if self._replica_groups_reduce is not None:
+                self._replica_groups_reduce.wait()
+                self._replica_groups_reduce = None
+            elif self.world > 1:
+                self._bucket.div_(self.world)
+            if self._flat_grad is not None:  # the gradients are views of the bucket already
+                self._reduce = self._bucket = None
+                if events.listeners:
+                    events.emit("reduce_done", self.label)
+                return
+            pieces = self._bucket.split([p.numel() for p in params])
         self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
             b = b.view_as(p).to(p.dtype)
@@ -806,7 +822,7 @@ class ReplicatedUnit(Unit):
         for pending in (self._reduce, self._replica_groups_reduce):
             if pending is not None:
                 pending.wait()
-        self._reduce = self._replica_groups_reduce = self._bucket = None
+        self._reduce = self._replica_groups_reduce = self._bucket = self._pieces = None
         if self.casts:
             for c in self.full_params:
                 c.grad = None
