@@ -706,6 +706,7 @@ class ReplicatedUnit(Unit):
         self._replica_groups_reduce: C.Pending | None = None  # the average across replica groups outside the job
         self._bucket: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] | None = None  # one rank with a cast: each gradient, cast
+        self._numels = [params[i].numel() for i in self.trainable]  # the bucket's pieces
 
     def unshard(self) -> None:
         if self.state is UnitState.SHARDED:
@@ -781,7 +782,6 @@ class ReplicatedUnit(Unit):
             self._replica_groups_reduce = C.replica_groups_all_reduce(self._bucket, self.replica_groups, self.label)
 
     def finish_reduce(self) -> None:
-        params = self._grad_holders()
         if self._pieces is not None:
             pieces, self._pieces = self._pieces, None
         elif self._bucket is None:
@@ -798,7 +798,8 @@ class ReplicatedUnit(Unit):
                 if events.listeners:
                     events.emit("reduce_done", self.label)
                 return
-            pieces = self._bucket.split([p.numel() for p in params])
+            pieces = self._bucket.split(self._numels)
+        params = self._grad_holders()
         self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
             b = b.view_as(p).to(p.dtype)
