@@ -178,23 +178,33 @@ def reshard_and_reduce_order(strategy):
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
     x, y = batch("mlp", 0, 2 * dist.get_world_size())
     loss = loss_of(model, local_slice(x), local_slice(y))
+    order = _events_of(loss.backward, lambda name, edge: name in ("reshard", "reduce_issue"))
+    opt.step()
+    loss_of(ref, x, y).backward()
+    ref_opt.step()
+    return order, _state_diff(model, ref)
+
+
+def _events_of(backward, keep) -> list[tuple[str, str]]:
+    """The (event, unit) pairs ``backward()`` emits that ``keep(name, edge)`` selects."""
     order = []
 
-    def on(name, unit, **_):
-        if name in ("reshard", "reduce_issue"):
+    def on(name, unit, edge=None, **_):
+        if keep(name, edge):
             order.append((name, unit))
 
     shardwise.core.events.listen(on)
     try:
-        loss.backward()
+        backward()
     finally:
         shardwise.core.events.unlisten(on)
-    opt.step()
-    loss_of(ref, x, y).backward()
-    ref_opt.step()
+    return order
+
+
+def _state_diff(model, ref) -> float:
+    """The largest difference between the sharded model's full state and ``ref``'s (rank 0)."""
     full = shardwise.full_state_dict(model)  # on rank 0
-    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if full else 0.0
-    return order, diff
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if full else 0.0
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
@@ -396,3 +406,58 @@ def test_group_with_a_backend_per_device_trains_like_one_process(pool):
     assert moved > 1e-3  # real training
     assert diff < 1e-5
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+
+
+# --- a unit's backward ends where the hook on its inputs' views fires: with one input or
+# several needing gradients, it reduces then, before the unit called before it runs backward
+class _Single(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, a, b):
+        return self.lin(a) * b
+
+
+class _PairNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.pair, self.last = _Single(), _Pair(), _Single()
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.last(self.pair(h, h.sin()))
+
+
+def end_of_unit_backward(strategy):
+    torch.manual_seed(0)
+    ref = _PairNet()
+    model = shardwise.shard(copy.deepcopy(ref), wrap=shardwise.wrap.by_class(_Single, _Pair), strategy=strategy)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(4 * n, 8, generator=torch.Generator().manual_seed(1))
+    loss = model(x[4 * rank : 4 * (rank + 1)]).square().mean()
+    order = _events_of(loss.backward, lambda name, edge: name == "reduce_issue" or (name, edge) == ("backward", "begin"))
+    opt.step()
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    return order, _state_diff(model, ref)
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_unit_reduces_when_its_backward_ends(pools, strategy):
+    order, diff = pools(2).run(end_of_unit_backward, strategy)[0]
+    at = {event: i for i, event in reversed(list(enumerate(order)))}  # first occurrences
+    # last (one input) reduces before pair's backward; pair (two inputs) before first's
+    assert at["reduce_issue", "last"] < at["backward", "pair"], order
+    assert at["reduce_issue", "pair"] < at["backward", "first"], order
+    assert diff <= 1e-6  # one step agrees with the unsharded model

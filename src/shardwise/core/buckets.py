@@ -139,7 +139,7 @@ class Bucket:
         for u in self.units:
             if u.state is UnitState.SHARDED:
                 u._send, u._gather = into, pending  # (each holds the buffer until its copy-out)
-                u.state = UnitState.GATHERING
+                u.enter(UnitState.GATHERING)
                 if events.listeners:
                     events.emit("gather_issue", u.label, bytes=u.flat_full.numel() * u.flat_full.element_size())
 

@@ -5,8 +5,8 @@ Forward: a unit's pre-forward hook waits for (or issues) its gather and issues t
 the unit that ran next on the previous iteration; its post-forward hook reshards (a unit that
 reshards after forward: full_shard's, or as a plan's ``UnitConfig`` says; never the root) and
 registers the pre-backward hook on the unit's outputs. Backward: the
-pre-backward hook gathers again and prefetches in backward order; an identity autograd
-function on the unit's inputs marks the end of its backward, where it reshards and issues its
+pre-backward hook gathers again and prefetches in backward order; a hook on views of the
+unit's inputs (made in pre-forward) marks the end of its backward, where it reshards and issues its
 reduce-scatter (Note [when a unit reduces]), while earlier layers still compute, after
 finishing the one issued before; which of its parameters got a gradient is which full
 parameters hold one then. A replicated unit has no such hooks: a post-accumulate-grad hook on
@@ -145,20 +145,18 @@ def _check_not_compiled_autograd() -> None:
         )
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the unit's own backward is done."""
+def _post_backward_hook(runtime_ref: weakref.ref, unit_ref: weakref.ref):
+    """The hook on views of a unit's inputs that runs once the unit's own backward is done:
+    the views' gradients are complete when every use of them inside the unit has given its
+    part (Note [weak references from C++]). A view and a tensor hook cost less than an
+    autograd function on the inputs, which did the same."""
 
-    @staticmethod
-    def forward(ctx, runtime_ref: weakref.ref, unit_ref: weakref.ref, *inputs: torch.Tensor):
-        ctx.runtime_ref, ctx.unit_ref = runtime_ref, unit_ref  # Note [weak references from C++]
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        runtime, unit = ctx.runtime_ref(), ctx.unit_ref()
+    def hook(_grads) -> None:
+        runtime, unit = runtime_ref(), unit_ref()
         if runtime is not None and unit is not None:
             runtime.post_backward(unit)
-        return (None, None, *grads)
+
+    return hook
 
 
 def _pre_backward_hook(runtime_ref: weakref.ref, unit_ref: weakref.ref):
@@ -256,11 +254,11 @@ class Runtime:
 
     # --- forward
     def _make_pre_forward(self, unit: Unit, unit_ref: weakref.ref):
-        runtime_ref = self._ref
+        post_backward = _post_backward_hook(self._ref, unit_ref)
 
         @_outside_graphs
         def hook(module, args, kwargs):
-            if self.step_abandoned():
+            if (self.forward_raised or self.callback_queued) and self.step_abandoned():
                 self.reset()
             if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing)
                 unit.wait_unshard()
@@ -281,8 +279,11 @@ class Runtime:
             if events.listeners:
                 events.emit("forward", unit.label, edge="begin")
             self.forward_order.append(unit)
-            self._prefetch(self.next_forward.get(unit))
-            self._note_unsharded()
+            nxt = self.next_forward.get(unit)
+            if nxt is not None and nxt.state is UnitState.SHARDED:
+                self._prefetch(nxt)
+            if self._tracks_peak and self.occupancy.unsharded > self.peak_unsharded:
+                self.peak_unsharded = self.occupancy.unsharded
             if torch.is_grad_enabled():
                 # every call counts; one whose inputs need no gradient has no end of backward
                 # that could be seen, so its unit reduces at the end of backward (a unit
@@ -291,9 +292,14 @@ class Runtime:
                 self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
                 plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
                 flat = args if plain else flat_tensors((args, kwargs), [])
-                if any(t.requires_grad for t in flat):
-                    marked = _PostBackward.apply(runtime_ref, unit_ref, *flat)
-                    return (marked, kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
+                marked = [t.view_as(t) if t.requires_grad else t for t in flat]
+                views = [v for v, t in zip(marked, flat) if v is not t]
+                if len(views) == 1:  # (what register_multi_grad_hook does for one, without its wrapping)
+                    views[0].register_hook(post_backward)
+                elif views:
+                    register_multi_grad_hook(views, post_backward, mode="all")
+                if views:
+                    return (tuple(marked), kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
             return args, kwargs
 
         return hook
@@ -347,18 +353,11 @@ class Runtime:
         if nxt is None or nxt.state is not UnitState.SHARDED:
             return
         if nxt.reshard_after_forward:
-            if self._count_unsharded() >= self.max_unsharded:
+            if self.occupancy.unsharded >= self.max_unsharded:
                 return
-        elif self._count_unsharded(gathering_only=True):
+        elif self.occupancy.gathering:
             return
         nxt.unshard()
-
-    def _count_unsharded(self, *, gathering_only: bool = False) -> int:
-        return self.occupancy.gathering if gathering_only else self.occupancy.unsharded
-
-    def _note_unsharded(self) -> None:
-        if self._tracks_peak:
-            self.peak_unsharded = max(self.peak_unsharded, self.occupancy.unsharded)
 
     # --- backward
     def _pre_backward(self, unit: Unit) -> None:
@@ -373,8 +372,11 @@ class Runtime:
         if not self.next_backward:  # first iteration: guess the reverse of forward
             fwd = _dedup(self.forward_order)
             self.next_backward = _successors([u for u in fwd if u.is_root] + [u for u in fwd[::-1] if not u.is_root])
-        self._prefetch(self.next_backward.get(unit))
-        self._note_unsharded()
+        nxt = self.next_backward.get(unit)
+        if nxt is not None and nxt.state is UnitState.SHARDED:
+            self._prefetch(nxt)
+        if self._tracks_peak and self.occupancy.unsharded > self.peak_unsharded:
+            self.peak_unsharded = self.occupancy.unsharded
 
     def _make_grad_ready(self, unit_ref: weakref.ref, j: int):
         runtime_ref = self._ref  # Note [weak references from C++]
@@ -384,7 +386,8 @@ class Runtime:
             rt._start_backward()  # no_shard has no forward hooks that could
             u.grads_ready += 1
             u.used[j] = True
-            if rt.sync_grads and isinstance(u, ReplicatedUnit):
+            # (only a unit's last gradient can let the reductions in order move on)
+            if rt.sync_grads and u.grads_ready >= u.num_trainable and isinstance(u, ReplicatedUnit):
                 rt._reduce_in_order(ready_only=True)
 
         return hook
@@ -392,6 +395,8 @@ class Runtime:
     def _start_backward(self) -> None:
         """Queue the end-of-backward callback, once per backward, after clearing what a step
         that raised left behind (Note [a step that raised])."""
+        if self.callback_queued and not self.forward_raised and self._callback() is not None:
+            return  # (this backward's: every caller runs inside a backward)
         if self.step_abandoned():
             self.reset()
         if self.callback_queued:

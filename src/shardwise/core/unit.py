@@ -245,7 +245,7 @@ class ShardedUnit(Unit):
         self._make_params(layout, flat_shard, requires_grad, device, streams)
         self.exposed = True  # between steps the modules hold the shard parameters
         self._free_full()
-        self._state = UnitState.SHARDED
+        self.state = UnitState.SHARDED
         self.occupancy: Occupancy | None = None  # the runtime's (``count_in``)
         self._send: torch.Tensor | None = None
         self._gather: C.Pending | None = None
@@ -293,13 +293,10 @@ class ShardedUnit(Unit):
             for s, rg in zip(layout.slots, requires_grad)
         ]
 
-    @property
-    def state(self) -> UnitState:
-        return self._state
-
-    @state.setter
-    def state(self, new: UnitState) -> None:
-        old, occ = self._state, self.occupancy
+    def enter(self, new: UnitState) -> None:
+        """Move to state ``new``, keeping the runtime's ``Occupancy`` up to date (``state``
+        is a plain attribute that hooks read often; only this writes it)."""
+        old, occ = self.state, self.occupancy
         if occ is not None and old is not new:
             gathering = (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
             unsharded = (old is UnitState.SHARDED) - (new is UnitState.SHARDED) if self._counted else 0
@@ -307,14 +304,14 @@ class ShardedUnit(Unit):
                 gathering, unsharded = self.bucket.occupancy.change(gathering, unsharded)
             occ.gathering += gathering
             occ.unsharded += unsharded
-        self._state = new
+        self.state = new
 
     def count_in(self, occupancy: Occupancy) -> None:
         """Keep ``occupancy`` up to date with this unit's state from now on."""
         self._counted = self.reshard_after_forward and not self.is_root
-        state, self._state = self._state, UnitState.SHARDED
+        state, self.state = self.state, UnitState.SHARDED
         self.occupancy = occupancy
-        self.state = state
+        self.enter(state)
 
     # --- parameters as the module sees them
     def expose_shards(self, exposed: bool) -> None:
@@ -337,11 +334,11 @@ class ShardedUnit(Unit):
         if self.state is not UnitState.SHARDED:
             return
         if self._alias:
-            self.state = UnitState.GATHERING
+            self.enter(UnitState.GATHERING)
             return
         if self._alone:
             C.book_alone("all_gather", self.label, self.flat_shard.numel(), self.compute_dtype)
-            self.state = UnitState.GATHERING
+            self.enter(UnitState.GATHERING)
             if events.listeners:
                 events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
             return
@@ -359,7 +356,7 @@ class ShardedUnit(Unit):
                 else self.flat_shard.to(self.device, self.compute_dtype, copy=True)
             )
             self._gather = self._all_gather(self._send)
-        self.state = UnitState.GATHERING
+        self.enter(UnitState.GATHERING)
         if events.listeners:
             events.emit("gather_issue", self.label, bytes=self._gather.nbytes)
 
@@ -389,6 +386,12 @@ class ShardedUnit(Unit):
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
         if self.state is UnitState.SHARDED:
+            if self._alias:  # nothing to gather (one rank, no cast): the swap alone
+                self._swap(self.full_params)
+                self.enter(UnitState.UNSHARDED)
+                if events.listeners:
+                    events.emit("gather_done", self.label)
+                return
             self.unshard()
         if self.state is UnitState.GATHERING:
             if self._gather is not None:
@@ -403,7 +406,7 @@ class ShardedUnit(Unit):
                 self._flat_full_data.copy_(self.flat_shard)
             self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
-            self.state = UnitState.UNSHARDED
+            self.enter(UnitState.UNSHARDED)
             if events.listeners:
                 events.emit("gather_done", self.label)
 
@@ -414,7 +417,7 @@ class ShardedUnit(Unit):
         if self.state is UnitState.UNSHARDED:
             self._swap(self.shard_params if self.exposed else self.not_gathered)
             self._free_full()
-            self.state = UnitState.SHARDED
+            self.enter(UnitState.SHARDED)
             if events.listeners:
                 events.emit("reshard", self.label)
 
@@ -578,7 +581,7 @@ class ShardedUnit(Unit):
         if self.state is not UnitState.SHARDED:
             self._swap(self.shard_params if self.exposed else self.not_gathered)
             self._free_full()
-            self.state = UnitState.SHARDED
+            self.enter(UnitState.SHARDED)
         super().reset()
 
     def _reduce_on_stream(self, s: Streams, buf: C.ScatterRows) -> None:
@@ -702,6 +705,8 @@ class ReplicatedUnit(Unit):
         self._reduce: C.Pending | None = None
         self._replica_groups_reduce: C.Pending | None = None  # the average across replica groups outside the job
         self._bucket: torch.Tensor | None = None
+        self._pieces: list[torch.Tensor] | None = None  # one rank with a cast: each gradient, cast
+        self._numels = [params[i].numel() for i in self.trainable]  # the bucket's pieces
 
     def unshard(self) -> None:
         if self.state is UnitState.SHARDED:
@@ -737,13 +742,25 @@ class ReplicatedUnit(Unit):
                     view.copy_(c.grad)
                 c.grad = view
             self._bucket = self._flat_grad
+        elif self.world == 1 and self.replica_groups is None:
+            # nothing to reduce: each gradient is only brought to the reduction dtype, as its
+            # piece of the bucket would be (no concatenation and split per step)
+            self._pieces = [
+                c.grad.to(self.reduce_dtype) if c.grad is not None else torch.zeros_like(c, dtype=self.reduce_dtype)
+                for c in compute
+            ]
         else:
             self._bucket = torch.cat([
                 c.grad.reshape(-1) if c.grad is not None else c.new_zeros(c.numel()) for c in compute
             ]).to(self.reduce_dtype)
-            if self.casts:
-                for c in compute:
-                    c.grad = None
+        if self.casts:
+            for c in compute:
+                c.grad = None
+        if self._pieces is not None:
+            self.reduce_issued = True
+            if events.listeners:
+                events.emit("reduce_issue", self.label, bytes=sum(g.numel() for g in self._pieces) * self.reduce_dtype.itemsize)
+            return
         if self.world > 1:
             self._reduce = C.all_reduce(  # see Runtime.reduce
                 self._bucket, self.group, self.label, codec=self.reduce_codec, channel=self.channel,
@@ -765,21 +782,24 @@ class ReplicatedUnit(Unit):
             self._replica_groups_reduce = C.replica_groups_all_reduce(self._bucket, self.replica_groups, self.label)
 
     def finish_reduce(self) -> None:
-        if self._bucket is None:
+        if self._pieces is not None:
+            pieces, self._pieces = self._pieces, None
+        elif self._bucket is None:
             return
-        self.advance_reduce()
-        if self._replica_groups_reduce is not None:
-            self._replica_groups_reduce.wait()
-            self._replica_groups_reduce = None
-        elif self.world > 1:
-            self._bucket.div_(self.world)
-        if self._flat_grad is not None:  # the gradients are views of the bucket already
-            self._reduce = self._bucket = None
-            if events.listeners:
-                events.emit("reduce_done", self.label)
-            return
+        else:
+            self.advance_reduce()
+            if self._replica_groups_reduce is not None:
+                self._replica_groups_reduce.wait()
+                self._replica_groups_reduce = None
+            elif self.world > 1:
+                self._bucket.div_(self.world)
+            if self._flat_grad is not None:  # the gradients are views of the bucket already
+                self._reduce = self._bucket = None
+                if events.listeners:
+                    events.emit("reduce_done", self.label)
+                return
+            pieces = self._bucket.split(self._numels)
         params = self._grad_holders()
-        pieces = self._bucket.split([p.numel() for p in params])
         self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
             b = b.view_as(p).to(p.dtype)
@@ -803,7 +823,7 @@ class ReplicatedUnit(Unit):
         for pending in (self._reduce, self._replica_groups_reduce):
             if pending is not None:
                 pending.wait()
-        self._reduce = self._replica_groups_reduce = self._bucket = None
+        self._reduce = self._replica_groups_reduce = self._bucket = self._pieces = None
         if self.casts:
             for c in self.full_params:
                 c.grad = None
