@@ -13,6 +13,9 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
   others go on; a lighthouse lost mid-run ends every rank of every group with LighthouseLost
   within seconds.
 - An unreachable lighthouse at start is named on every rank.
+- A hybrid job's other replicas take what its first replica's manager decided through counted
+  broadcasts that the step check compares (a pool of 4 standing for one job), and a first
+  replica that dies before it tells ends its follower with a named CollectiveError.
 
 Skips, naming the extra, where torchft is not installed.
 """
