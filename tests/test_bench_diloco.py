@@ -1,5 +1,5 @@
-"""``shardwise bench --nodes 2 --diloco`` run tiny (a step a round, one timed round, one rank a
-node) so that the mode cannot rot: every system trains across the shaped link, the report
+"""``shardwise bench --nodes 2 --diloco`` run tiny (two steps a round, the exchange overlapping the
+second, one timed round, one rank a node) so that the mode cannot rot: every system trains across the shaped link, the report
 holds its throughput, its link bytes per token and its loss at every step, and DiLoCo with
 top-k messages sends fewer bytes across the link than exact hybrid sharding. Skips, saying
 why, where namespaces cannot be made (not root, no iproute2) or torchft is missing."""
@@ -22,7 +22,7 @@ def test_diloco_bench_runs_tiny_across_a_shaped_link(tmp_path):
     systems = ("shardwise/hybrid_shard", "diloco+topk")
     cmd = [
         sys.executable, "-m", "shardwise", "bench", "--nodes", "2", "--diloco", "--model", "tiny", "--nproc", "1",
-        "--sync-every", "2", "--rounds", "1", "--exact-steps", "1", "--batch-size", "1", "--seq-len", "16",
+        "--sync-every", "2", "--fragment-sync-delay", "1", "--rounds", "1", "--exact-steps", "1", "--batch-size", "1", "--seq-len", "16",
         "--link", "1gbit", "--systems", ",".join(systems), "--out", str(tmp_path),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -13,6 +13,9 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
   others go on; a lighthouse lost mid-run ends every rank of every group with LighthouseLost
   within seconds.
 - An unreachable lighthouse at start is named on every rank.
+- A hybrid job's other replicas take what its first replica's manager decided through counted
+  broadcasts that the step check compares (a pool of 4 standing for one job), and a first
+  replica that dies before it tells ends its follower with a named CollectiveError.
 
 Skips, naming the extra, where torchft is not installed.
 """
@@ -324,3 +327,59 @@ def test_shardwise_train_with_fault_tolerance(tmp_path, lighthouse):
     assert done.returncode == 0 and "bytes sent per rank per step" in done.stdout, (done.stdout + done.stderr)[-3000:]
     index = json.loads((tmp_path / "ck" / "node0" / "step-00000004" / "index.json").read_text())
     assert index["extra"]["ft"]["step"] == 4
+
+
+# --- how a job's other replicas learn what its first one's manager decided (ft/place.py)
+def tell_and_share(die: bool = False):
+    """A pool of 4 as one job of two replicas of 2 shard indexes (ranks 0, 1 the first
+    replica): each shard index's first replica tells an object and shares a tensor of its own
+    size; the other replicas take them. With ``die``, rank 1 (shard index 1's first replica;
+rank 0 hosts the pool's store) dies before it tells."""
+    import torch.distributed as dist
+    from plain_groups import jobs_in_pool
+
+    from shardwise.core import collectives as C
+    from shardwise.core import flight, groups
+    from shardwise.ft.place import Place
+
+    _, replicas, replica = jobs_in_pool()
+    groups.host_group(replicas)  # (made with the job, in a run: before anyone can die)
+    rank = dist.get_rank()
+    index = rank % 2
+    place = Place(index, 2, replica == 0, replicas)
+    C.reset_comm_stats()
+    flight.take_digest()
+    if die and rank == 1:
+        os._exit(7)
+    told = place.tell({"index": index, "rows": list(range(3 + 5 * index))} if place.leads else None)
+    shared = torch.full((3 + 5 * index,), float(rank))  # (each shard index its own size)
+    place.share(None, shared).wait()
+    return told, shared.tolist(), flight.take_digest(), C.comm_stats()["broadcast"].calls
+
+
+def test_other_replicas_take_the_first_ones_outcome_through_counted_checked_broadcasts(pools):
+    """What a shard index's first replica tells and shares reaches its other replica, each
+    shard index its own size, counted (a length and a payload for an object, one tensor) and
+    recorded alike on every rank: the step check, which compares the ranks' digests, agrees."""
+    out = pools(4).run(tell_and_share)
+    for rank, (told, shared, digest, calls) in enumerate(out):
+        index = rank % 2
+        assert told == {"index": index, "rows": list(range(3 + 5 * index))}, (rank, told)
+        assert shared == [float(index)] * (3 + 5 * index), (rank, shared)  # (the first replica's rank: its index)
+        assert calls == 3 and digest == out[0][2] != 0, (rank, calls, digest)
+
+
+def test_a_first_replica_dead_before_it_tells_ends_the_other_with_a_named_error():
+    from pool import WorkerPool
+
+    pool = WorkerPool(4, timeout=60, group_timeout=6.0)
+    try:
+        t0 = time.monotonic()
+        out = pool.run_outcomes(tell_and_share, die=True)
+        elapsed = time.monotonic() - t0
+    finally:
+        pool.close()
+    assert out[1].exitcode == 7
+    assert not out[3].ok and out[3].error_type.endswith("CollectiveError"), out[3]
+    assert "broadcast for unit 'torchft outcome' did not complete" in out[3].error_message, out[3].error_message
+    assert elapsed < 6.0 + 20, elapsed

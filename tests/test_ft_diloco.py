@@ -250,15 +250,20 @@ def test_streaming_diloco_group_killed_mid_round_comes_back_with_each_fragments_
     holds bitwise the same global parameters and outer momentum, fragment by fragment, and
     error feedback residuals of its own for both fragments."""
     jobs.lighthouse = slow_lighthouse
-    cfg = {"steps": 16, "h": 4, "fragments": 2, "delay": 1, "comm": "int8", "pause": 0.3, "min_replicas": 1, "kill_in": 1}
+    every, meet = 2, 8  # (a fragment sync every 2 steps; group 0 waits for group 1 after step 8's)
+    cfg = {"steps": 16, "h": 4, "fragments": 2, "delay": 1, "comm": "int8", "pause": 0.3, "min_replicas": 1,
+           "kill_in": 1, "meet_at": meet}
     a = jobs.start(0, restarts=0, script=__file__, **cfg)
     b = jobs.start(1, restarts=1, script=__file__, kill=[5, 1], **cfg)  # rank 1, the 2nd round's 2nd step
     assert [jobs.wait(a, 300), jobs.wait(b, 300)] == [0, 0], jobs.logs()
     got = [torch.load(jobs.out / f"g{g}-full.pt") for g in (0, 1)]
-    assert [r for r in got[0]["rounds"] if r[1] == 1 and r[2]], got[0]["rounds"]  # (group 0 alone)
+    assert (meet, 1, True) in got[0]["rounds"], got[0]["rounds"]  # (group 0 alone at the sync before it waits)
     assert got[1]["run"] == "1" and got[1]["heal"] is not None and got[1]["heal"][1] > 0, got[1]
-    # (back at the step it died in, or later: under load group 0 may still be there)
-    assert got[1]["heal"][0] >= 5 and got[0]["step"] == got[1]["step"] >= 16, (got[1]["heal"], got[0]["step"])
+    # group 1 heals at group 0's first sync after ``meet``: torchft's count there is the syncs
+    # group 0 committed (the first, before any inner step, and one every ``every`` steps)
+    assert got[1]["heal"][0] == meet // every + 1, got[1]["heal"]
+    assert got[1]["rounds"][0] == (meet + every, 2, True), got[1]["rounds"]  # (it sat that sync out)
+    assert got[0]["step"] == got[1]["step"] >= 16, (got[0]["step"], got[1]["step"])
     for rank in (0, 1):
         mine, theirs = (torch.load(jobs.out / f"g{g}-outer{rank}.pt") for g in (0, 1))
         assert theirs["fresh"], "the healed group's parameters are not the global ones after the sync it sat out"
@@ -271,11 +276,19 @@ def test_streaming_diloco_group_killed_mid_round_comes_back_with_each_fragments_
 
 
 class _OneGroup:
-    """The groups as a rank alone in its quorum sees them: the all-gather hands back this
-    group's message."""
+    """The groups as a rank alone in its quorum sees them: the all-gather, issued, hands back
+    this group's message once waited for."""
 
     def gather(self, message):
-        return [message.clone()]
+        return _InFlight(message.clone())
+
+
+class _InFlight:
+    def __init__(self, message):
+        self.message = message
+
+    def wait(self):
+        return [self.message]
 
 
 @pytest.mark.parametrize("comm", ["int8", "topk"])
@@ -292,13 +305,31 @@ def test_error_feedback_sends_what_a_message_drops_later(comm):
     arrived, errors = torch.zeros_like(pseudo), {}
     for t in range(1, 201):
         flat = pseudo.clone()
-        feedback.exchange(_OneGroup(), flat, None, sitting_out=False)
+        assert feedback.exchange(_OneGroup(), flat, None, sitting_out=False).wait()
         arrived += flat
         if t in (1, 200):
             errors[t] = ((arrived / t) - pseudo).abs().max().item()
     # sum of arrivals = t * pseudo - residual_t: the mean's error is the residual over t
     assert torch.allclose(arrived, 200 * pseudo - feedback.residual(), atol=1e-3)
     assert errors[200] < errors[1] / 20, errors
+
+
+def test_an_encoded_exchange_is_in_flight_until_the_apply_waits_for_it():
+    """Streaming DiLoCo's delayed sync: the exchange issued leaves the pseudo-gradient as it
+    is (the residual kept already) while the inner steps go on; its wait leaves there
+    bitwise what the blocking exchange did (the decoded average of the messages)."""
+    from shardwise.ft.feedback import Feedback, codec_of
+
+    torch.manual_seed(0)
+    params = [torch.zeros(5000)]
+    codec = codec_of("int8")
+    feedback = Feedback(codec, torch.optim.SGD(params, lr=1.0), params)
+    pseudo = torch.randn(5000)
+    flat = pseudo.clone()
+    exchange = feedback.exchange(_OneGroup(), flat, None, sitting_out=False)
+    assert torch.equal(flat, pseudo)  # (in flight: untouched)
+    assert torch.equal(feedback.residual(), pseudo - codec.decode(codec.encode(pseudo), 5000))
+    assert exchange.wait() and torch.equal(flat, codec.decode(codec.encode(pseudo), 5000))
 
 
 class _BesideAnother:
@@ -455,18 +486,27 @@ def main(cfg: dict) -> None:
     # (with a kill, the jobs go on past ``steps`` until a sync of every fragment after one of
     # both groups (where a group that healed sits out): the same on both)
     both = cfg.get("fragments", 1) + 1
+    out, met = Path(cfg["out"]), False
+    if "meet_at" in cfg and kill and not first_run:  # (back: meet group 0 where it waits)
+        _wait_for_file(out / "g0-waiting")
+        if rank == 0:
+            (out / "g1-back").touch()
     while (
         ft.step < cfg["steps"]
         or ("kill_in" in cfg and [r[1:] for r in rounds[-both:]] != [(2, True)] * both)
         or ("until" in cfg and not (Path(cfg["out"]) / cfg["until"]).exists())  # (the test says when)
     ):
         assert ft.step < 40 * h or "until" in cfg, "the groups never trained together again"
+        if "meet_at" in cfg and not kill and ft.step == cfg["meet_at"] and not met:  # (the live group)
+            (out / "g0-waiting").touch()
+            _wait_for_file(out / "g1-back")
+            met = True
         opt.zero_grad()
         if not rounds:  # (the first quorum is a round's end too)
             rounds.append((ft.step, ft.participants, True))
             # (where no group contributed, or this group healed and sat the sync out: the global ones)
             fresh = all(torch.equal(p, opt.outer.state[p]["global"]) for p in opt.params)
-        if kill and first_run and ft.step >= kill[0] and ft.step % every == 1 and rank == kill[1]:  # (mid-round, mid-backward)
+        if kill and first_run and ft.step == kill[0] and rank == kill[1]:  # (mid-round, mid-backward)
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world, scale=scaler)
         if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
@@ -513,6 +553,13 @@ def main(cfg: dict) -> None:
                    Path(cfg["out"]) / f"g{cfg['group']}-full.pt")
     ft.shutdown()
     dist.destroy_process_group()
+
+
+def _wait_for_file(path: Path, seconds: float = 180.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ after 2 untimed: its steps are alike):
   FSDP2's HSDP on the same 2-D mesh);
 - ``diloco+int8`` and ``diloco+topk``: each node its own job (full_shard), one torchft replica
   group each (``Torchft.diloco``, lighthouse on node A), pseudo-gradients averaged every
-  ``--sync-every`` steps, encoded.
+  ``--sync-every`` steps, encoded (streaming DiLoCo with ``--fragments`` F: a fragment
+  every ``--sync-every`` / F steps, its exchange overlapping ``--fragment-sync-delay`` inner
+  steps).
 
 What crosses the link is read from node A's veth counters (bytes sent plus received, over the
 timed steps: everything, the lighthouse's heartbeats and quorums included), per token trained
@@ -42,6 +44,8 @@ class DilocoBench:
 
     link: str = "100mbit"  # the link's rate each way (tc units)
     sync_every: int = 32  # DiLoCo's inner steps per round (H)
+    fragments: int = 1  # streaming DiLoCo's fragments (F), synced in turn
+    fragment_sync_delay: int = 0  # inner steps a fragment's exchange overlaps (D)
     rounds: int = 2  # timed rounds (of --sync-every steps), after one untimed
     exact_steps: int = 4  # timed steps of the per-step systems (after 2 untimed): each is alike
     model: str = "small"  # built-in GPT size
@@ -62,6 +66,8 @@ def parse_args(argv: list[str]) -> tuple[DilocoBench, str | None]:
     p.add_argument("--nodes", type=int, choices=(2,), default=2, help="always 2: two namespaces joined by a link")
     p.add_argument("--link", type=link_rate, default=d.link)
     p.add_argument("--sync-every", type=int, default=d.sync_every)
+    p.add_argument("--fragments", type=int, default=d.fragments)
+    p.add_argument("--fragment-sync-delay", type=int, default=d.fragment_sync_delay)
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--exact-steps", type=int, default=d.exact_steps)
     p.add_argument("--model", default=d.model, choices=("tiny", "small", "medium", "large"))
@@ -147,7 +153,8 @@ def row_of(out: Path, name: str) -> dict:
 
 def _flags(b: DilocoBench) -> list[str]:
     return [
-        "--link", b.link, "--sync-every", str(b.sync_every), "--rounds", str(b.rounds),
+        "--link", b.link, "--sync-every", str(b.sync_every), "--fragments", str(b.fragments),
+        "--fragment-sync-delay", str(b.fragment_sync_delay), "--rounds", str(b.rounds),
         "--exact-steps", str(b.exact_steps), "--model", b.model,
         "--batch-size", str(b.batch_size), "--seq-len", str(b.seq_len), "--out", str(Path(b.out).resolve()),
         "--seed", str(b.seed),
@@ -204,7 +211,8 @@ def worker(b: DilocoBench, name: str) -> None:
                          min_replicas=2, timeout=300, quorum_timeout=600)
         api.shard(model, wrap=wrap.by_class(work.block), strategy="full_shard", fault_tolerance=ft)
         (inner,) = make_optimizers("shardwise/full_shard", model, work.block, "adamw")
-        opt = inner if ft is None else ft.diloco(inner, sync_every=b.sync_every, comm=name.partition("+")[2])
+        opt = inner if ft is None else ft.diloco(inner, sync_every=b.sync_every, comm=name.partition("+")[2],
+                                                 fragments=b.fragments, fragment_sync_delay=b.fragment_sync_delay)
     losses = []
     for step, (x, y) in enumerate(work.batches):
         if step == warmup:  # (after the untimed steps: DiLoCo's first round, its sync included)
@@ -240,7 +248,8 @@ def render(summary: dict) -> str:
     lines = [
         f"GPT {c['model']}, 2 nodes of {c['nproc']} ranks joined by a {c['link']} link each way, "
         f"{c['batch_size']} x {c['seq_len']} tokens per rank per step; timed: {c['rounds']} rounds of "
-        f"{c['sync_every']} steps (DiLoCo's H; alone too), {c['exact_steps']} steps of the per-step systems.",
+        f"{c['sync_every']} steps (DiLoCo's H; alone too; {c['fragments']} fragments, each exchange "
+        f"overlapping {c['fragment_sync_delay']} inner steps), {c['exact_steps']} steps of the per-step systems.",
         "",
         "| system | tokens/s | vs alone | link bytes/token | exact hybrid's over this |",
         "|---|---:|---:|---:|---:|",

@@ -49,6 +49,7 @@ stands for every rank, and fake tensors hold no values to read).
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -507,15 +508,30 @@ def replica_groups_all_reduce(tensor: torch.Tensor, replica_groups, label: str, 
     return _issue("replica_groups_all_reduce", label, nbytes, tensor, start, numel=numel)
 
 
-def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str) -> Pending:
-    """Copy ``tensor`` from group rank ``src_rank`` to every rank, asynchronously."""
+def broadcast(tensor: torch.Tensor, src_rank: int, group, label: str, numel: int | None = None) -> Pending:
+    """Copy ``tensor`` from group rank ``src_rank`` to every rank, asynchronously (``numel``:
+    what the flight record notes where ranks of other groups broadcast other sizes)."""
     world = dist.get_world_size(group)
     _book("broadcast", tensor.numel() * tensor.element_size(), world)
     nbytes = tensor.numel() * tensor.element_size()
     src = _global_rank(group, src_rank)
     return _issue(
-        "broadcast", label, nbytes, tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True)
+        "broadcast", label, nbytes, tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True),
+        numel=numel,
     )
+
+
+def broadcast_object(obj, src_rank: int, group, label: str):
+    """Group rank ``src_rank``'s ``obj`` (picklable) on every rank of ``group`` (a host
+    group), blocking: its pickled length, then its bytes, both counted and recorded; the
+    bytes' record notes no size (0), as ranks of other groups send other objects."""
+    mine = dist.get_rank(group) == src_rank
+    data = pickle.dumps(obj) if mine else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    broadcast(length, src_rank, group, label).wait()
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(length), dtype=torch.uint8)
+    broadcast(payload, src_rank, group, label, numel=0).wait()
+    return obj if mine else pickle.loads(payload.numpy().tobytes())
 
 
 # --- encoded collectives (Note [wire precision])

@@ -14,7 +14,9 @@ group that comes back takes a live group's state rank for rank, from memory
 call), steps (one step on a rank: the quorum, the heal, the vote), quorum (the records a step
 hands over and the torchft manager's calls), place (where a rank stands in torchft's view of
 its job), heal (what a rank serves and takes), transport (how a heal travels), lighthouse (the
-quorum server, ``shardwise lighthouse``), diloco and topk (DiLoCo rounds), errors.
+quorum server, ``shardwise lighthouse``), diloco, fragment_sync, across, feedback and topk
+(DiLoCo: the optimizer, a (fragment) sync's two halves, the groups as a sync sees them, error
+feedback, SparseLoCo's message), errors.
 """
 
 import os

@@ -74,20 +74,21 @@ class Across:
         are reported to the manager (the step does not commit), not raised."""
         return self._manager.allreduce(tensor, reduce_op=reduce_op)
 
-    def gather(self, message: torch.Tensor) -> list[torch.Tensor] | None:
+    def gather(self, message: torch.Tensor) -> Gathering:
         """Every group's ``message`` (same size everywhere) over the manager's process group
-        (a rank that leads; torchft's Manager has no all-gather of its own), or None where
-        this step met an error already or meets one here (reported, as ``average`` does)."""
+        (a rank that leads; torchft's Manager has no all-gather of its own), issued: its
+        ``wait`` gives them, or None where this step met an error already or meets one there
+        (reported, as ``average`` does: the step does not commit)."""
         m = self._manager
         if m.errored() is not None:
-            return None
+            return Gathering(m, None, [])
         received = [torch.empty_like(message) for _ in range(m.num_participants())]
         try:
-            m._pg.allgather([received], [message], AllgatherOptions()).wait()
+            work = m._pg.allgather([received], [message], AllgatherOptions())
         except Exception as e:  # (a group lost in the round)
             m.report_error(e)
-            return None
-        return received
+            return Gathering(m, None, [])
+        return Gathering(m, work, received)
 
     def errored(self) -> bool:
         """Whether this step met an error across the groups (a rank that leads)."""
@@ -100,3 +101,20 @@ class Across:
             self._place.share(work, tensor).wait()
         elif work is not None:
             work.wait()
+
+
+class Gathering:
+    """An all-gather over the groups in flight (``Across.gather``); ``work`` None: failed."""
+
+    def __init__(self, manager: Manager, work, received: list[torch.Tensor]):
+        self.manager, self.work, self.received = manager, work, received
+
+    def wait(self) -> list[torch.Tensor] | None:
+        if self.work is None:
+            return None
+        try:
+            self.work.wait()
+        except Exception as e:  # (a group lost while it was in flight)
+            self.manager.report_error(e)
+            return None
+        return self.received

@@ -25,12 +25,13 @@ class Feedback:
     def __init__(self, codec, outer: torch.optim.Optimizer, params: list[torch.Tensor]):
         self.codec, self.outer, self.params = codec, outer, params
 
-    def exchange(self, groups: Across, flat: torch.Tensor, piece: range | None, sitting_out: bool) -> None:
-        """The groups' average of ``flat`` (this group's share of a fragment's
+    def exchange(self, groups: Across, flat: torch.Tensor, piece: range | None, sitting_out: bool) -> Exchange:
+        """Issue the groups' average of ``flat`` (this group's share of a fragment's
         pseudo-gradient; ``piece``: its parameters, all where None), each group sending it
-        encoded with its residual added; ``flat`` is left as it was where the exchange met an
-        error (reported to the manager: the sync does not commit). A rank that sits the sync
-        out sends zeros and keeps its residual for a sync it takes part in."""
+        encoded with its residual added; once waited for, ``flat`` holds the average, or is
+        left as it was where the exchange met an error (reported to the manager: the sync does
+        not commit). A rank that sits the sync out sends zeros and keeps its residual for a
+        sync it takes part in."""
         n = flat.numel()
         if sitting_out:
             message = self.codec.encode(flat)
@@ -38,13 +39,7 @@ class Feedback:
             keep = flat + self.residual(piece)
             message = self.codec.encode(keep)
             self.set_residual(keep - self.codec.decode(message, n), piece)
-        received = groups.gather(message)
-        if received is None:
-            return
-        flat.zero_()
-        for r in received:
-            flat.add_(self.codec.decode(r, n))
-        flat.div_(len(received))
+        return Exchange(groups.gather(message), self.codec, flat)
 
     def residual(self, piece: range | None = None) -> torch.Tensor:
         """This rank's residual of a fragment (all parameters where None), flat in fp32."""
@@ -63,6 +58,26 @@ class Feedback:
 
     def _of(self, piece: range | None) -> list[torch.Tensor]:
         return self.params if piece is None else [self.params[i] for i in piece]
+
+
+class Exchange:
+    """An encoded exchange in flight (``Feedback.exchange``): the messages travel over the
+    manager's process group, apart from the job's, while the inner steps go on; ``wait``
+    decodes them and leaves their average in ``flat``."""
+
+    def __init__(self, gathering, codec, flat: torch.Tensor):
+        self.gathering, self.codec, self.flat = gathering, codec, flat
+
+    def wait(self) -> bool:
+        received = self.gathering.wait()
+        if received is None:
+            return False
+        n = self.flat.numel()
+        self.flat.zero_()
+        for r in received:
+            self.flat.add_(self.codec.decode(r, n))
+        self.flat.div_(len(received))
+        return True
 
 
 def codec_of(comm: str | None):

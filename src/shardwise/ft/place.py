@@ -41,10 +41,7 @@ class Place:
         without hybrid sharding)."""
         if self.replicas is None:
             return obj
-        box = [obj]
-        src = dist.get_global_rank(self.replicas, 0)
-        C.blocking("broadcast", "torchft outcome", dist.broadcast_object_list, box, src=src, group=groups.host_group(self.replicas))
-        return box[0]
+        return C.broadcast_object(obj, 0, groups.host_group(self.replicas), "torchft outcome")
 
     def share(self, work, tensor: torch.Tensor):
         """The groups' average (``work``, on the first replica) of ``tensor``, on every replica
@@ -59,7 +56,7 @@ class _Shared:
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        # (kept out of the step check's digest: each shard index broadcasts its own shard's size)
-        src = dist.get_global_rank(self.replicas, 0)
-        C.blocking("broadcast", "torchft average", dist.broadcast, self.tensor, src, group=self.replicas)
+        # (each shard index broadcasts its own shard's size: the record notes none, so that the
+        # step check compares the broadcasts' order, not their sizes, across shard indexes)
+        C.broadcast(self.tensor, 0, self.replicas, "torchft average", numel=0).wait()
         return True

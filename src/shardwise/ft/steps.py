@@ -116,8 +116,7 @@ class Steps(Across):
         if joined.error is not None:
             raise joined.error
         self._quorum = joined.quorum
-        if joined.healed:
-            self._share_heal(scaler)
+        self._share_heal()
         if scaler is not None and self.step == 0:
             _one_scale(scaler)
         # after a heal its state is the step's start; else the snapshot's copies of the buffers are
@@ -183,13 +182,16 @@ class Steps(Across):
         self.last_heal = Heal(self._manager.current_step(), received.bytes, received.seconds + time.perf_counter() - t0)
         log.info("rank %d healed: %s", dist.get_rank(), self.last_heal)
 
-    def _share_heal(self, scaler) -> None:
-        """The job's other replicas take the state its first replica healed to, rank for rank."""
+    def _share_heal(self) -> None:
+        """The job's other replicas take the state its first replica healed to in this
+        quorum, if it did, rank for rank. Told at every quorum, healed or not: torchft heals
+        rank by rank (Note [the first quorum heals rank by rank]), and the step check compares
+        the broadcasts of every shard index, which must therefore issue the same ones."""
         if self._place.replicas is None:
             return
         t0 = time.perf_counter()
         state, self._healed = self._place.tell(self._healed), None
-        if self._manager is None:
+        if self._manager is None and state is not None:
             self._heal_to(state, "the job's first replica")
             self.last_heal = Heal(self.step, tensor_bytes(state), time.perf_counter() - t0)
 
@@ -211,8 +213,6 @@ class Steps(Across):
 def _one_scale(scaler) -> None:
     """Every rank of the job takes rank 0's loss scaler state (Note [the first quorum heals
     rank by rank])."""
-    state = [scaler.state_dict()]
-    C.blocking("broadcast", "loss scale", dist.broadcast_object_list, state, src=0, group=groups.host_group(None))
-    scaler.load_state_dict(state[0])
+    scaler.load_state_dict(C.broadcast_object(scaler.state_dict(), 0, groups.host_group(None), "loss scale"))
 
 
