@@ -32,8 +32,7 @@ from shardwise.job import train
 from shardwise.observer import charts
 
 COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c",
-          "diloco+int8": "#2ca02c", "diloco+topk": "#d62728"}
-DILOCO = {"exact": "shardwise/hybrid_shard", "diloco+int8": "diloco+int8", "diloco+topk": "diloco+topk"}
+          "diloco+fp32": "#1f77b4", "diloco+int8": "#2ca02c", "diloco+topk": "#d62728"}
 
 
 def main() -> None:
@@ -50,6 +49,10 @@ def main() -> None:
     p.add_argument("--out", default="convergence", help="writes OUT.json and OUT.png")
     p.add_argument("--diloco", action="store_true", help="exact hybrid sharding against DiLoCo int8 and top-k")
     p.add_argument("--sync-every", type=int, default=32, help="--diloco: DiLoCo's H")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="--diloco: the outer Nesterov SGD's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="--diloco: its momentum (0: plain SGD)")
+    p.add_argument("--messages", nargs="+", default=["int8", "topk"], choices=["fp32", "int8", "topk"],
+                   help="--diloco: DiLoCo's pseudo-gradient messages to run")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(a.out)
@@ -77,19 +80,21 @@ def diloco(a, out: Path) -> None:
     from shardwise.bench import diloco as bench
 
     rounds = max(1, a.steps // a.sync_every - 1)  # (timed rounds, after an untimed one)
-    a.steps, a.strategy = (rounds + 1) * a.sync_every, f"2 nodes: hybrid_shard vs DiLoCo H={a.sync_every},"
+    a.steps = (rounds + 1) * a.sync_every
+    a.strategy = f"2 nodes: hybrid_shard vs DiLoCo H={a.sync_every}, outer lr {a.outer_lr} momentum {a.outer_momentum},"
+    systems = {"exact": "shardwise/hybrid_shard", **{f"diloco+{m}": f"diloco+{m}" for m in a.messages}}
     runs = out.parent / f"{out.name}-runs"
     t0 = time.perf_counter()
     bench.main([
         "--link", "10gbit", "--sync-every", str(a.sync_every), "--rounds", str(rounds),
         "--exact-steps", str(a.steps - 2), "--model", a.model_size, "--nproc", str(a.nproc),
-        "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--systems", ",".join(DILOCO.values()),
-        "--out", str(runs),
+        "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--systems", ",".join(systems.values()),
+        "--outer-lr", str(a.outer_lr), "--outer-momentum", str(a.outer_momentum), "--out", str(runs),
     ])
     rows = json.loads((runs / "diloco.json").read_text())["rows"]
     results = {
         name: {"steps": list(range(1, a.steps + 1)), "losses": rows[system]["losses"], "seconds": time.perf_counter() - t0}
-        for name, system in DILOCO.items()
+        for name, system in systems.items()
     }
     _write(out, a, results)
 

@@ -33,4 +33,8 @@ def test_diloco_bench_runs_tiny_across_a_shaped_link(tmp_path):
         assert row["tokens_per_s"] > 0 and len(row["losses"]) in (3, 4), (name, row)  # (untimed and timed steps)
         assert all(2.0 < loss < 10.0 for loss in row["losses"]), (name, row["losses"])  # (a byte GPT's loss)
     assert rows["diloco+topk"]["link_bytes_per_token"] * 5 < rows["shardwise/hybrid_shard"]["link_bytes_per_token"], rows
+    # equal tokens: both systems start from the same model and read the same rows, so their first
+    # step's loss (before any update; the mean of each node's first rank's) is the same number
+    first = rows["shardwise/hybrid_shard"]["losses"][0]
+    assert abs(rows["diloco+topk"]["losses"][0] - first) < 1e-5 * first, (rows["diloco+topk"]["losses"][0], first)
     assert "| diloco+topk |" in (tmp_path / "diloco.md").read_text()
