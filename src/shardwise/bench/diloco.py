@@ -16,6 +16,10 @@ after 2 untimed: its steps are alike):
   ``--sync-every`` steps, encoded; ``diloco+fp32`` (not run by default) sends them in fp32,
   which separates what the encoding costs in loss from what DiLoCo itself does. The outer
   optimizer is Nesterov SGD with ``--outer-lr`` and ``--outer-momentum`` (plain SGD at 0).
+``--warmup-steps W`` > 0 (the papers' per-step warm-up): exact hybrid sharding saves its model
+and AdamW after its first W steps (OUT/warmup-W, a shardwise checkpoint) and the DiLoCo systems
+start from it, at step W's batch, with their outer momentum at zero; it runs them after
+``shardwise/hybrid_shard``, and the per-step systems train W steps more than without it.
 
 Every system trains the same tokens from the same initial model: step s's global batch
 (``--batch-size`` sequences per rank, over both nodes' ranks) split in rank order, node B's
@@ -62,6 +66,8 @@ class DilocoBench:
     seed: int = 0
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD
     outer_momentum: float = 0.9  # (0: plain SGD)
+    warmup_steps: int = 0  # DiLoCo starts from exact hybrid sharding's step W (0: from the initial model)
+    lr: float = 1e-3  # AdamW's (every system's, DiLoCo's inner optimizer's)
 
 
 def parse_args(argv: list[str]) -> tuple[DilocoBench, str | None]:
@@ -84,6 +90,8 @@ def parse_args(argv: list[str]) -> tuple[DilocoBench, str | None]:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--outer-lr", type=float, default=d.outer_lr)
     p.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--system", help=argparse.SUPPRESS)  # (a worker's)
     a = vars(p.parse_args(argv))
     system = a.pop("system")
@@ -94,6 +102,14 @@ def parse_args(argv: list[str]) -> tuple[DilocoBench, str | None]:
         p.error("--sync-every, --rounds and --exact-steps are >= 1")
     if a["outer_lr"] <= 0 or not 0 <= a["outer_momentum"] < 1:
         p.error("--outer-lr is > 0 and --outer-momentum in [0, 1)")
+    if a["warmup_steps"] and system is None:
+        exact, dilocos = "shardwise/hybrid_shard", [s for s in a["systems"] if s.startswith("diloco")]
+        if exact not in a["systems"] or any(a["systems"].index(s) < a["systems"].index(exact) for s in dilocos):
+            p.error(f"--warmup-steps: DiLoCo starts from {exact}'s checkpoint: list {exact} first in --systems")
+        if not 0 < a["warmup_steps"] <= 2 + a["exact_steps"]:
+            p.error(f"--warmup-steps {a['warmup_steps']}: {exact} trains 2 + --exact-steps steps, save at one of them")
+    if a["warmup_steps"] < 0:
+        p.error("--warmup-steps is >= 0")
     return DilocoBench(**a), system
 
 
@@ -166,6 +182,7 @@ def _flags(b: DilocoBench) -> list[str]:
         "--exact-steps", str(b.exact_steps), "--model", b.model,
         "--batch-size", str(b.batch_size), "--seq-len", str(b.seq_len), "--out", str(Path(b.out).resolve()),
         "--seed", str(b.seed), "--outer-lr", str(b.outer_lr), "--outer-momentum", str(b.outer_momentum),
+        "--warmup-steps", str(b.warmup_steps), "--lr", str(b.lr),
     ]
 
 
@@ -189,6 +206,7 @@ def worker(b: DilocoBench, name: str) -> None:
     import torch.distributed as dist
 
     from .. import api
+    from ..checkpoint import load, save
     from ..core import groups, wrap
     from .harness import BenchConfig, build_system, device_meshes, workload
     from .optimizers import make_optimizers
@@ -200,7 +218,9 @@ def worker(b: DilocoBench, name: str) -> None:
     b = replace(b, nproc=int(os.environ["LOCAL_WORLD_SIZE"]))
     across = not (name == "alone" or name.startswith("diloco"))
     node = rank // b.nproc if across else int(os.environ["SHARDWISE_BENCH_NODE"])
-    warmup, steps = (2, b.exact_steps) if across else (b.sync_every, b.rounds * b.sync_every)
+    start = b.warmup_steps if name.startswith("diloco") else 0  # (the batch it starts at)
+    warmup, steps = (2, b.exact_steps) if across else (start + b.sync_every, b.rounds * b.sync_every)
+    ckpt = Path(b.out, f"warmup-{b.warmup_steps}")
     cfg = BenchConfig(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, warmup=warmup, steps=steps,
                       systems=(name if across else "shardwise/full_shard",), shard_size=b.nproc, seed=b.seed)
     # (both nodes' share of one global batch a step, whether one job or two: the same tokens in every system)
@@ -221,12 +241,16 @@ def worker(b: DilocoBench, name: str) -> None:
                          min_replicas=2, timeout=300, quorum_timeout=600)
         api.shard(model, wrap=wrap.by_class(work.block), strategy="full_shard", fault_tolerance=ft)
         (inner,) = make_optimizers("shardwise/full_shard", model, work.block, "adamw")
+        if start:
+            load(ckpt, model, inner)
         comm = name.partition("+")[2]
         outer = partial(torch.optim.SGD, lr=b.outer_lr, momentum=b.outer_momentum, nesterov=b.outer_momentum > 0)
         opt = inner if ft is None else ft.diloco(inner, sync_every=b.sync_every, outer_optimizer=outer,
                                                  comm=None if comm == "fp32" else comm)
+    for group in opt.param_groups:  # (a DiLoCo optimizer's are its inner one's)
+        group["lr"] = b.lr
     losses = []
-    for step, (x, y) in enumerate(work.batches):
+    for step, (x, y) in enumerate(work.batches[start:], start):
         if step == warmup:  # (after the untimed steps: DiLoCo's first round, its sync included)
             dist.barrier()
             t0, counted = time.perf_counter(), _link_bytes()
@@ -235,6 +259,8 @@ def worker(b: DilocoBench, name: str) -> None:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if name == "shardwise/hybrid_shard" and step + 1 == b.warmup_steps:
+            save(ckpt, model, opt)
     dist.barrier()
     seconds, sent = time.perf_counter() - t0, _link_bytes() - counted
     if ft is not None:
