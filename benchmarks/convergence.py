@@ -37,6 +37,7 @@ from shardwise.observer import charts
 
 COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c",
           "diloco+fp32": "#1f77b4", "diloco+int8": "#2ca02c", "diloco+topk": "#d62728"}
+SMOOTH = 32  # the main panel's running mean, in steps
 
 
 def main() -> None:
@@ -88,8 +89,7 @@ def diloco(a, out: Path) -> None:
 
     rounds = max(1, (a.steps - a.warmup_steps) // a.sync_every - 1)  # (timed rounds, after an untimed one)
     a.steps = a.warmup_steps + (rounds + 1) * a.sync_every
-    a.strategy = (f"2 nodes: hybrid_shard vs DiLoCo H={a.sync_every} after {a.warmup_steps} exact steps,"
-                  f" outer lr {a.outer_lr} momentum {a.outer_momentum},")
+    a.strategy = "2 nodes: hybrid_shard vs DiLoCo"
     systems = {"exact": "shardwise/hybrid_shard", **{f"diloco+{m}": f"diloco+{m}" for m in a.messages}}
     runs = out.parent / f"{out.name}-runs"
     t0 = time.perf_counter()
@@ -130,19 +130,25 @@ def _write(out: Path, a, results: dict) -> None:
     ax, zoom = fig.subplots(1, 2, width_ratios=[2, 1])
     for name, r in results.items():
         label = name + (f" ({r['final_ratio']:.4f}x)" if "final_ratio" in r else "")
-        for axis in (ax, zoom):
-            axis.plot(r["steps"], r["losses"], color=COLORS.get(name), lw=0.8, label=label)
+        # (one step's loss is one batch's: the whole run as the running mean of SMOOTH steps)
+        smooth = [sum(r["losses"][max(0, i - SMOOTH + 1) : i + 1]) / min(i + 1, SMOOTH) for i in range(len(r["losses"]))]
+        ax.plot(r["steps"], smooth, color=COLORS.get(name), lw=0.9, label=label)
+        zoom.plot(r["steps"], r["losses"], color=COLORS.get(name), lw=0.8)
     tail = a.steps - 4 * a.tail
     finals = [r["losses"][i] for r in results.values() for i, s in enumerate(r["steps"]) if s > tail]
     zoom.set_xlim(tail, a.steps)
     zoom.set_ylim(min(finals) * 0.98, max(finals) * 1.02)
     ax.set_xlabel("step")
     zoom.set_xlabel("step (last steps)")
-    ax.set_ylabel("loss (mean over ranks)")
+    ax.set_ylabel(f"loss (mean over ranks, running mean of {SMOOTH})", fontsize=9)
     ax.legend(title=f"comm (final loss vs exact, last {a.tail})", fontsize=8)
     for axis in (ax, zoom):
         axis.grid(alpha=0.3)
-    fig.suptitle(f"{a.model_size} GPT, {a.strategy}, {a.nproc} ranks, {a.steps} steps")
+    title = f"{a.model_size} GPT, {a.strategy}, {a.nproc} ranks, {a.steps} steps"
+    if a.diloco:
+        title += (f"\nDiLoCo H={a.sync_every} after {a.warmup_steps} exact steps, AdamW lr {a.lr:g}, "
+                  f"outer Nesterov lr {a.outer_lr:g} momentum {a.outer_momentum:g}")
+    fig.suptitle(title, fontsize=9)
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
