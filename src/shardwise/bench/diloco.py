@@ -16,12 +16,15 @@ after 2 untimed: its steps are alike):
   ``--sync-every`` steps, encoded; ``diloco+fp32`` (not run by default) sends them in fp32,
   which separates what the encoding costs in loss from what DiLoCo itself does. The outer
   optimizer is Nesterov SGD with ``--outer-lr`` and ``--outer-momentum`` (plain SGD at 0).
-``--warmup-steps W`` > 0 (the papers' per-step warm-up): exact hybrid sharding saves its model
-and AdamW after its first W steps (OUT/warmup-W, a shardwise checkpoint) and the DiLoCo systems
-start from it, at step W's batch, with their outer momentum at zero; it runs them after
-``shardwise/hybrid_shard``, and the per-step systems train W steps more than without it.
 
-Every system trains the same tokens from the same initial model: step s's global batch
+``--warmup-steps W`` > 0 (the papers' per-step warm-up): exact hybrid sharding saves its model
+and AdamW after its first W steps (OUT/warmup-W, a shardwise checkpoint; inside its timed steps
+where W > 2: a run for loss curves, not timings) and the DiLoCo systems, listed after it, start
+from it at step W's batch with their outer momentum at zero, so they end at step W + (rounds +
+1) x sync-every: equal tokens where exact hybrid trains that many (benchmarks/convergence.py).
+
+Every system trains the same tokens from the same initial model, with AdamW at ``--lr``
+(DiLoCo's inner optimizer): step s's global batch
 (``--batch-size`` sequences per rank, over both nodes' ranks) split in rank order, node B's
 ranks taking the rows after node A's, whether the nodes form one job or two, so that the
 losses compare at equal tokens (benchmarks/convergence.py).
