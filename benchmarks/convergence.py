@@ -10,13 +10,17 @@ final-loss ratios against exact communication to a JSON file:
 The final loss is the mean over the last ``--tail`` steps (one step's loss is one batch's,
 noisy); the last step alone is reported too.
 
-``--diloco``: exact hybrid sharding against DiLoCo with int8 and top-k pseudo-gradients
-(H = ``--sync-every``), two nodes of ``--nproc`` ranks in network namespaces (root): the runs
-of ``shardwise bench --nodes 2 --diloco`` (its systems and per-step losses, on a 10gbit link),
-``--steps`` rounded to whole rounds; each curve is the mean of each node's first rank's loss:
+``--diloco``: exact hybrid sharding against DiLoCo with ``--messages`` pseudo-gradients
+(int8 and top-k; fp32 too on request; H = ``--sync-every``), two nodes of ``--nproc`` ranks
+in network namespaces (root): the runs of ``shardwise bench --nodes 2 --diloco`` (its systems
+and per-step losses, on a 10gbit link), every system on the same tokens from the same model,
+AdamW at ``--lr``, the outer Nesterov SGD at ``--outer-lr`` and ``--outer-momentum``; with
+``--warmup-steps W`` DiLoCo starts from exact hybrid's model and AdamW after its first W steps
+(its curve's first W steps are exact hybrid's); ``--steps`` rounded to W plus whole rounds;
+each curve is the mean of each node's first rank's loss:
 
-    OMP_NUM_THREADS=1 python benchmarks/convergence.py --diloco --model-size tiny --steps 512 \
-        --sync-every 32 --out docs/convergence-diloco
+    OMP_NUM_THREADS=1 python benchmarks/convergence.py --diloco --model-size tiny --steps 2048 \
+        --sync-every 32 --warmup-steps 128 --lr 2e-3 --tail 64 --out docs/convergence-diloco
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from shardwise.job import train
 from shardwise.observer import charts
 
 COLORS = {"exact": "#000000", "bf16": "#1f77b4", "fp8": "#ff7f0e", "int8": "#2ca02c",
-          "diloco+int8": "#2ca02c", "diloco+topk": "#d62728"}
-DILOCO = {"exact": "shardwise/hybrid_shard", "diloco+int8": "diloco+int8", "diloco+topk": "diloco+topk"}
+          "diloco+fp32": "#1f77b4", "diloco+int8": "#2ca02c", "diloco+topk": "#d62728"}
+SMOOTH = 32  # the main panel's running mean, in steps
 
 
 def main() -> None:
@@ -50,6 +54,13 @@ def main() -> None:
     p.add_argument("--out", default="convergence", help="writes OUT.json and OUT.png")
     p.add_argument("--diloco", action="store_true", help="exact hybrid sharding against DiLoCo int8 and top-k")
     p.add_argument("--sync-every", type=int, default=32, help="--diloco: DiLoCo's H")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="--diloco: the outer Nesterov SGD's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="--diloco: its momentum (0: plain SGD)")
+    p.add_argument("--lr", type=float, default=1e-3, help="--diloco: AdamW's, every system's (DiLoCo's inner)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="--diloco: DiLoCo starts from exact hybrid sharding's model and AdamW after this many steps")
+    p.add_argument("--messages", nargs="+", default=["int8", "topk"], choices=["fp32", "int8", "topk"],
+                   help="--diloco: DiLoCo's pseudo-gradient messages to run")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(a.out)
@@ -76,20 +87,25 @@ def diloco(a, out: Path) -> None:
     """``--diloco``: the three systems' per-step losses from ``shardwise bench --nodes 2 --diloco``."""
     from shardwise.bench import diloco as bench
 
-    rounds = max(1, a.steps // a.sync_every - 1)  # (timed rounds, after an untimed one)
-    a.steps, a.strategy = (rounds + 1) * a.sync_every, f"2 nodes: hybrid_shard vs DiLoCo H={a.sync_every},"
+    rounds = max(1, (a.steps - a.warmup_steps) // a.sync_every - 1)  # (timed rounds, after an untimed one)
+    a.steps = a.warmup_steps + (rounds + 1) * a.sync_every
+    a.strategy = "2 nodes: hybrid_shard vs DiLoCo"
+    systems = {"exact": "shardwise/hybrid_shard", **{f"diloco+{m}": f"diloco+{m}" for m in a.messages}}
     runs = out.parent / f"{out.name}-runs"
     t0 = time.perf_counter()
     bench.main([
         "--link", "10gbit", "--sync-every", str(a.sync_every), "--rounds", str(rounds),
         "--exact-steps", str(a.steps - 2), "--model", a.model_size, "--nproc", str(a.nproc),
-        "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--systems", ",".join(DILOCO.values()),
-        "--out", str(runs),
+        "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--systems", ",".join(systems.values()),
+        "--outer-lr", str(a.outer_lr), "--outer-momentum", str(a.outer_momentum),
+        "--warmup-steps", str(a.warmup_steps), "--lr", str(a.lr), "--out", str(runs),
     ])
     rows = json.loads((runs / "diloco.json").read_text())["rows"]
+    warm = rows["shardwise/hybrid_shard"]["losses"][: a.warmup_steps]  # (DiLoCo's first steps: exact's)
     results = {
-        name: {"steps": list(range(1, a.steps + 1)), "losses": rows[system]["losses"], "seconds": time.perf_counter() - t0}
-        for name, system in DILOCO.items()
+        name: {"steps": list(range(1, a.steps + 1)), "seconds": time.perf_counter() - t0,
+               "losses": rows[system]["losses"] if name == "exact" else warm + rows[system]["losses"]}
+        for name, system in systems.items()
     }
     _write(out, a, results)
 
@@ -101,7 +117,10 @@ def _write(out: Path, a, results: dict) -> None:
         if base is not None:
             r["final_ratio"] = r["final"] / base["final"]
             r["last_step_ratio"] = r["losses"][-1] / base["losses"][-1]
-    config = {k: getattr(a, k) for k in ("model_size", "strategy", "nproc", "steps", "batch_size", "seq_len", "tail", "error_feedback")}
+    keys = ["model_size", "strategy", "nproc", "steps", "batch_size", "seq_len", "tail", "error_feedback"]
+    if a.diloco:
+        keys += ["sync_every", "lr", "outer_lr", "outer_momentum", "warmup_steps", "messages"]
+    config = {k: getattr(a, k) for k in keys}
     out.with_suffix(".json").write_text(json.dumps({"config": config, "runs": results}, indent=1))
     if not charts.available():
         return
@@ -111,19 +130,25 @@ def _write(out: Path, a, results: dict) -> None:
     ax, zoom = fig.subplots(1, 2, width_ratios=[2, 1])
     for name, r in results.items():
         label = name + (f" ({r['final_ratio']:.4f}x)" if "final_ratio" in r else "")
-        for axis in (ax, zoom):
-            axis.plot(r["steps"], r["losses"], color=COLORS.get(name), lw=0.8, label=label)
+        # (one step's loss is one batch's: the whole run as the running mean of SMOOTH steps)
+        smooth = [sum(r["losses"][max(0, i - SMOOTH + 1) : i + 1]) / min(i + 1, SMOOTH) for i in range(len(r["losses"]))]
+        ax.plot(r["steps"], smooth, color=COLORS.get(name), lw=0.9, label=label)
+        zoom.plot(r["steps"], r["losses"], color=COLORS.get(name), lw=0.8)
     tail = a.steps - 4 * a.tail
     finals = [r["losses"][i] for r in results.values() for i, s in enumerate(r["steps"]) if s > tail]
     zoom.set_xlim(tail, a.steps)
     zoom.set_ylim(min(finals) * 0.98, max(finals) * 1.02)
     ax.set_xlabel("step")
     zoom.set_xlabel("step (last steps)")
-    ax.set_ylabel("loss (mean over ranks)")
+    ax.set_ylabel(f"loss (mean over ranks, running mean of {SMOOTH})", fontsize=9)
     ax.legend(title=f"comm (final loss vs exact, last {a.tail})", fontsize=8)
     for axis in (ax, zoom):
         axis.grid(alpha=0.3)
-    fig.suptitle(f"{a.model_size} GPT, {a.strategy}, {a.nproc} ranks, {a.steps} steps")
+    title = f"{a.model_size} GPT, {a.strategy}, {a.nproc} ranks, {a.steps} steps"
+    if a.diloco:
+        title += (f"\nDiLoCo H={a.sync_every} after {a.warmup_steps} exact steps, AdamW lr {a.lr:g}, "
+                  f"outer Nesterov lr {a.outer_lr:g} momentum {a.outer_momentum:g}")
+    fig.suptitle(title, fontsize=9)
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 

@@ -15,7 +15,21 @@ after 2 untimed: its steps are alike):
   group each (``Torchft.diloco``, lighthouse on node A), pseudo-gradients averaged every
   ``--sync-every`` steps, encoded (streaming DiLoCo with ``--fragments`` F: a fragment
   every ``--sync-every`` / F steps, its exchange overlapping ``--fragment-sync-delay`` inner
-  steps).
+  steps); ``diloco+fp32`` (not run by default) sends them in fp32,
+  which separates what the encoding costs in loss from what DiLoCo itself does. The outer
+  optimizer is Nesterov SGD with ``--outer-lr`` and ``--outer-momentum`` (plain SGD at 0).
+
+``--warmup-steps W`` > 0 (the papers' per-step warm-up): exact hybrid sharding saves its model
+and AdamW after its first W steps (OUT/warmup-W, a shardwise checkpoint; inside its timed steps
+where W > 2: a run for loss curves, not timings) and the DiLoCo systems, listed after it, start
+from it at step W's batch with their outer momentum at zero, so they end at step W + (rounds +
+1) x sync-every: equal tokens where exact hybrid trains that many (benchmarks/convergence.py).
+
+Every system trains the same tokens from the same initial model, with AdamW at ``--lr``
+(DiLoCo's inner optimizer): step s's global batch
+(``--batch-size`` sequences per rank, over both nodes' ranks) split in rank order, node B's
+ranks taking the rows after node A's, whether the nodes form one job or two, so that the
+losses compare at equal tokens (benchmarks/convergence.py).
 
 What crosses the link is read from node A's veth counters (bytes sent plus received, over the
 timed steps: everything, the lighthouse's heartbeats and quorums included), per token trained
@@ -32,9 +46,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 SYSTEMS = ("alone", "shardwise/hybrid_shard", "fsdp2/hybrid_shard", "diloco+int8", "diloco+topk")
+KNOWN = (*SYSTEMS, "diloco+fp32")
 LIGHTHOUSE_PORT = 29611
 
 
@@ -55,6 +71,10 @@ class DilocoBench:
     systems: tuple[str, ...] = SYSTEMS
     out: str = "bench-out"
     seed: int = 0
+    outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD
+    outer_momentum: float = 0.9  # (0: plain SGD)
+    warmup_steps: int = 0  # DiLoCo starts from exact hybrid sharding's step W (0: from the initial model)
+    lr: float = 1e-3  # AdamW's (every system's, DiLoCo's inner optimizer's)
 
 
 def parse_args(argv: list[str]) -> tuple[DilocoBench, str | None]:
@@ -77,14 +97,28 @@ def parse_args(argv: list[str]) -> tuple[DilocoBench, str | None]:
     p.add_argument("--systems", type=lambda s: tuple(s.split(",")), default=d.systems)
     p.add_argument("--out", default=d.out)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--outer-lr", type=float, default=d.outer_lr)
+    p.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--system", help=argparse.SUPPRESS)  # (a worker's)
     a = vars(p.parse_args(argv))
     system = a.pop("system")
     a.pop("nodes")
-    if unknown := [s for s in a["systems"] if s not in SYSTEMS]:
-        p.error(f"--systems: unknown {unknown}; choose among {','.join(SYSTEMS)}")
+    if unknown := [s for s in a["systems"] if s not in KNOWN]:
+        p.error(f"--systems: unknown {unknown}; choose among {','.join(KNOWN)}")
     if min(a["sync_every"], a["rounds"], a["exact_steps"]) < 1:
         p.error("--sync-every, --rounds and --exact-steps are >= 1")
+    if a["outer_lr"] <= 0 or not 0 <= a["outer_momentum"] < 1:
+        p.error("--outer-lr is > 0 and --outer-momentum in [0, 1)")
+    if a["warmup_steps"] and system is None:
+        exact, dilocos = "shardwise/hybrid_shard", [s for s in a["systems"] if s.startswith("diloco")]
+        if exact not in a["systems"] or any(a["systems"].index(s) < a["systems"].index(exact) for s in dilocos):
+            p.error(f"--warmup-steps: DiLoCo starts from {exact}'s checkpoint: list {exact} first in --systems")
+        if not 0 < a["warmup_steps"] <= 2 + a["exact_steps"]:
+            p.error(f"--warmup-steps {a['warmup_steps']}: {exact} trains 2 + --exact-steps steps, save at one of them")
+    if a["warmup_steps"] < 0:
+        p.error("--warmup-steps is >= 0")
     return DilocoBench(**a), system
 
 
@@ -157,7 +191,8 @@ def _flags(b: DilocoBench) -> list[str]:
         "--fragment-sync-delay", str(b.fragment_sync_delay), "--rounds", str(b.rounds),
         "--exact-steps", str(b.exact_steps), "--model", b.model,
         "--batch-size", str(b.batch_size), "--seq-len", str(b.seq_len), "--out", str(Path(b.out).resolve()),
-        "--seed", str(b.seed),
+        "--seed", str(b.seed), "--outer-lr", str(b.outer_lr), "--outer-momentum", str(b.outer_momentum),
+        "--warmup-steps", str(b.warmup_steps), "--lr", str(b.lr),
     ]
 
 
@@ -181,21 +216,26 @@ def worker(b: DilocoBench, name: str) -> None:
     import torch.distributed as dist
 
     from .. import api
+    from ..checkpoint import load, save
     from ..core import groups, wrap
     from .harness import BenchConfig, build_system, device_meshes, workload
     from .optimizers import make_optimizers
 
     groups.init()
     torch.set_num_threads(1)
-    rank, world, device = dist.get_rank(), dist.get_world_size(), groups.device()
+    rank, device = dist.get_rank(), groups.device()
     # (torchrun's ranks per node: --nproc cannot reach a worker, torchrun's parser takes it for its own)
     b = replace(b, nproc=int(os.environ["LOCAL_WORLD_SIZE"]))
     across = not (name == "alone" or name.startswith("diloco"))
     node = rank // b.nproc if across else int(os.environ["SHARDWISE_BENCH_NODE"])
-    warmup, steps = (2, b.exact_steps) if across else (b.sync_every, b.rounds * b.sync_every)
+    start = b.warmup_steps if name.startswith("diloco") else 0  # (the batch it starts at)
+    warmup, steps = (2, b.exact_steps) if across else (start + b.sync_every, b.rounds * b.sync_every)
+    ckpt = Path(b.out, f"warmup-{b.warmup_steps}")
     cfg = BenchConfig(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, warmup=warmup, steps=steps,
-                      systems=(name if across else "shardwise/full_shard",), shard_size=b.nproc, seed=b.seed + (0 if across else 1000 * node))
-    work = workload(cfg, rank, world, device)
+                      systems=(name if across else "shardwise/full_shard",), shard_size=b.nproc, seed=b.seed)
+    # (both nodes' share of one global batch a step, whether one job or two: the same tokens in every system)
+    rows_at = rank if across else node * b.nproc + int(os.environ["LOCAL_RANK"])
+    work = workload(cfg, rows_at, 2 * b.nproc, device)
     ft = None
     if across:
         model, opts, _ = build_system(name, cfg, work, device, device_meshes(cfg, device))
@@ -211,10 +251,17 @@ def worker(b: DilocoBench, name: str) -> None:
                          min_replicas=2, timeout=300, quorum_timeout=600)
         api.shard(model, wrap=wrap.by_class(work.block), strategy="full_shard", fault_tolerance=ft)
         (inner,) = make_optimizers("shardwise/full_shard", model, work.block, "adamw")
-        opt = inner if ft is None else ft.diloco(inner, sync_every=b.sync_every, comm=name.partition("+")[2],
-                                                 fragments=b.fragments, fragment_sync_delay=b.fragment_sync_delay)
+        if start:
+            load(ckpt, model, inner)
+        comm = name.partition("+")[2]
+        outer = partial(torch.optim.SGD, lr=b.outer_lr, momentum=b.outer_momentum, nesterov=b.outer_momentum > 0)
+        opt = inner if ft is None else ft.diloco(inner, sync_every=b.sync_every, outer_optimizer=outer,
+                                                 comm=None if comm == "fp32" else comm, fragments=b.fragments,
+                                                 fragment_sync_delay=b.fragment_sync_delay)
+    for group in opt.param_groups:  # (a DiLoCo optimizer's are its inner one's)
+        group["lr"] = b.lr
     losses = []
-    for step, (x, y) in enumerate(work.batches):
+    for step, (x, y) in enumerate(work.batches[start:], start):
         if step == warmup:  # (after the untimed steps: DiLoCo's first round, its sync included)
             dist.barrier()
             t0, counted = time.perf_counter(), _link_bytes()
@@ -223,12 +270,14 @@ def worker(b: DilocoBench, name: str) -> None:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if name == "shardwise/hybrid_shard" and step + 1 == b.warmup_steps:
+            save(ckpt, model, opt)
     dist.barrier()
     seconds, sent = time.perf_counter() - t0, _link_bytes() - counted
     if ft is not None:
         ft.shutdown()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        mine = work.tokens_per_step * steps * b.nproc // world  # (this node's ranks')
+        mine = work.tokens_per_step * steps // 2  # (this node's ranks': half the global batch)
         report = {"node": node, "seconds": seconds, "tokens": mine,
                   "link_bytes": sent, "losses": losses}
         Path(b.out, f"diloco-{_slug(name)}-node{node}.json").write_text(json.dumps(report))
