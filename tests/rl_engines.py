@@ -341,12 +341,12 @@ def death_job(url: str, engine_pid: int) -> dict:
 
 
 def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = False, push: bool = True,
-                strategy: str = "full_shard", shard_size: int | None = None) -> dict:
+                strategy: str = "full_shard", shard_size: int | None = None, transport: str = "auto") -> dict:
     """Train with ``push(wait=False)`` after steps 1 and 3, each push's handle waited for only
     after the next two optimizer steps. Rank 0 returns the gathered state at each push (what
     the engine must serve) and at the end. ``fail_first``: rank 0's first ``update_weights``
     call to the engine raises, so that the first push fails in its thread; the second (a new
-    handshake) then goes through. ``push=False``: the same
+    handshake) then goes through. ``transport``: the sync's (``auto``: shm here). ``push=False``: the same
     training without any sync (the parity reference)."""
     model = build("llama", seed=seed)
     kw = {} if shard_size is None else {"shard_size": shard_size}
@@ -355,7 +355,8 @@ def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = 
     sync = None
     if push:
         sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, delta=delta, bucket_bytes=1 << 17,
-                                     dtype=torch.bfloat16 if delta else None, address="127.0.0.1")
+                                     dtype=torch.bfloat16 if delta else None, address="127.0.0.1",
+                                     transport=transport)
     if fail_first and sync.feeds:
         client, calls = sync.feeds[0].client, []
 
