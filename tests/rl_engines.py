@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import shardwise
 import shardwise.rl
+from shardwise.bench.vllm_link import SHUTDOWN_TIMEOUT_S, stop_process
 
 PROMPTS = [[5, 17, 3, 42], [9, 9, 60, 2, 31]]
 NEW_TOKENS = 6
@@ -105,7 +106,8 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.path),
             "--port", str(self.port), "--host", "127.0.0.1", "--skip-tokenizer-init",
             "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--enable-scale-out",
-            "--max-num-seqs", "8", "--weight-transfer-config", '{"backend": "shardwise"}',
+            "--max-num-seqs", "8", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+            "--weight-transfer-config", '{"backend": "shardwise"}',
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -137,18 +139,11 @@ class Server:
         raise RuntimeError("no EngineCore process under the server")
 
     def stop(self) -> None:
+        """The server shuts its engine down (its shared memory unlinked), then anything left
+        of its session is killed."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)  # the session this server was started in
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_process(self.proc)
         self.proc = None
 
     def generate(self, prompts=PROMPTS) -> list[dict]:
