@@ -26,10 +26,11 @@ from .netns import ADDRESSES
 # to start when other processes hold more than 8%
 KV_CACHE_BYTES = 1 << 30
 SERVE_TIMEOUT_S = 900.0  # a first `vllm serve` on a busy 2-core machine takes minutes
-# How long a stopped server may take to shut its engine down. vLLM's default, 0, kills the
-# engine core at once, before it unlinks its shared memory: Python's resource tracker then
-# warns of leaked shared_memory objects at the server's exit, and removes them itself.
-SHUTDOWN_TIMEOUT_S = 10
+# How long a stopped engine may take to shut down. vLLM's default for a server, 0, kills the
+# engine core at once (an in-process LLM's, 5 s, under load), before it unlinks its shared
+# memory: Python's resource tracker then warns of leaked shared_memory objects at exit, and
+# removes them itself. The engine core waits 5 s for its worker, then 4 more after a SIGTERM.
+SHUTDOWN_TIMEOUT_S = 15
 
 
 def engine_url(port: int) -> str:
