@@ -47,11 +47,15 @@ def run(model, cfg, argv: list[str]) -> None:
     servers: list[subprocess.Popen] = []
     code = 0
     try:
+        cores = sorted(os.sched_getaffinity(0))
         for k in range(cfg.engines):
+            # each engine's kernels on a core of its own where there are enough (vLLM's automatic
+            # binding puts every engine on this machine on the same cores)
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[k % len(cores)])}
             with open(work / f"serve-{k}.log", "ab") as log:
                 servers.append(subprocess.Popen(
                     serve_command(work / "start", cfg.port + k, host=HOST), stdout=log, stderr=subprocess.STDOUT,
-                    env={**threads, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True,
+                    env={**threads, **bind, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True,
                 ))
         for server, url in zip(servers, engine_urls(cfg)):
             wait_healthy(url, check=lambda s=server: _exited(s, work))
