@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import shardwise
 import shardwise.rl
+from shardwise.bench.vllm_link import SHUTDOWN_TIMEOUT_S, stop_process
 
 PROMPTS = [[5, 17, 3, 42], [9, 9, 60, 2, 31]]
 NEW_TOKENS = 6
@@ -105,7 +106,8 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.path),
             "--port", str(self.port), "--host", "127.0.0.1", "--skip-tokenizer-init",
             "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--enable-scale-out",
-            "--max-num-seqs", "8", "--weight-transfer-config", '{"backend": "shardwise"}',
+            "--max-num-seqs", "8", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+            "--weight-transfer-config", '{"backend": "shardwise"}',
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -137,18 +139,11 @@ class Server:
         raise RuntimeError("no EngineCore process under the server")
 
     def stop(self) -> None:
+        """The server shuts its engine down (its shared memory unlinked), then anything left
+        of its session is killed."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)  # the session this server was started in
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_process(self.proc)
         self.proc = None
 
     def generate(self, prompts=PROMPTS) -> list[dict]:
@@ -341,12 +336,12 @@ def death_job(url: str, engine_pid: int) -> dict:
 
 
 def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = False, push: bool = True,
-                strategy: str = "full_shard", shard_size: int | None = None) -> dict:
+                strategy: str = "full_shard", shard_size: int | None = None, transport: str = "auto") -> dict:
     """Train with ``push(wait=False)`` after steps 1 and 3, each push's handle waited for only
     after the next two optimizer steps. Rank 0 returns the gathered state at each push (what
     the engine must serve) and at the end. ``fail_first``: rank 0's first ``update_weights``
     call to the engine raises, so that the first push fails in its thread; the second (a new
-    handshake) then goes through. ``push=False``: the same
+    handshake) then goes through. ``transport``: the sync's (``auto``: shm here). ``push=False``: the same
     training without any sync (the parity reference)."""
     model = build("llama", seed=seed)
     kw = {} if shard_size is None else {"shard_size": shard_size}
@@ -355,7 +350,8 @@ def overlap_job(url: str, *, seed: int, delta: bool = False, fail_first: bool = 
     sync = None
     if push:
         sync = shardwise.rl.VLLMSync(model, url if dist.get_rank() == 0 else None, delta=delta, bucket_bytes=1 << 17,
-                                     dtype=torch.bfloat16 if delta else None, address="127.0.0.1")
+                                     dtype=torch.bfloat16 if delta else None, address="127.0.0.1",
+                                     transport=transport)
     if fail_first and sync.feeds:
         client, calls = sync.feeds[0].client, []
 

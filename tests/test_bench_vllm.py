@@ -102,9 +102,11 @@ def test_several_engines_flags_and_table(tmp_path):
         vllm_push.parse_args(["--engines", "2", "--nodes", "2"])
     cmd = vllm_link.serve_command("/m", 18700, host="127.0.0.1")
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    runs = [{"engines": k, "seconds": s, "all_seconds": [s], "pause_seconds": p, "wire_bytes": 80 << 20}
+    runs = [{"engines": k, "seconds": s, "all_seconds": [s], "pause_seconds": p, "wire_bytes": 80 << 20,
+             "engine_cpu_seconds": 0.3 * k, "machine_cpu_seconds": 1.2 * s}
             for k, s, p in ((1, 0.5, 0.4), (2, 0.55, 0.45), (3, 0.6, 0.5))]
-    vllm_engines.report(cfg, {"world": 2, "size": "medium", "params": 42_000_000, "runs": runs})
+    vllm_engines.report(cfg, {"world": 2, "size": "medium", "params": 42_000_000, "runs": runs, "cores": 2})
     rows = _rows(tmp_path / "bench_vllm_engines.md")
-    assert rows["2"] == ["0.550", "1.10", "0.450"] and rows["3"] == ["0.600", "1.20", "0.500"]
+    assert rows["2"] == ["0.550", "1.10", "0.450", "0.60", "0.66", "1.20 of 2"]
+    assert rows["3"] == ["0.600", "1.20", "0.500", "0.90", "0.72", "1.20 of 2"]
     assert "<= 1.3x one engine's: 1.20" in (tmp_path / "bench_vllm_engines.md").read_text()

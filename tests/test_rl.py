@@ -140,16 +140,18 @@ def test_several_engines_take_one_push(ranks, servers, world_size, delta):
                 assert pay == payload and 0 < sent < 0.35 * payload, r["sent"]
 
 
-@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
-def test_push_beside_training_sends_the_weights_at_the_push(ranks, servers, delta):
+@pytest.mark.parametrize("delta,transport", [(False, "shm"), (True, "shm"), (False, "tcp")],
+                         ids=["full", "delta", "full-tcp"])
+def test_push_beside_training_sends_the_weights_at_the_push(ranks, servers, delta, transport):
     """``push(wait=False)`` at N=2, each handle waited for after two more optimizer steps:
     the engine serves the weights as they were at the push (fp32; delta: bf16 at lr 1e-5),
     not those of the steps that ran while they streamed, and training is bitwise the same as
-    without any push."""
+    without any push; over shared memory and over the tcp link (its Gloo group to the
+    engine driven from the push's thread)."""
     server = servers["llama"]
     before = server.generate()
     pool = ranks(2)
-    results = pool.run(E.overlap_job, server.url, seed=50 + delta, delta=delta)
+    results = pool.run(E.overlap_job, server.url, seed=50 + delta, delta=delta, transport=transport)
     assert [r["versions"] for r in results] == [[1, 2]] * 2 and not any(r["errors"] for r in results)
     pushed = results[0]["pushed"]
     E.check_push(server, {"state": pushed[-1], "versions": [2]}, "llama", before=before,

@@ -26,6 +26,11 @@ from .netns import ADDRESSES
 # to start when other processes hold more than 8%
 KV_CACHE_BYTES = 1 << 30
 SERVE_TIMEOUT_S = 900.0  # a first `vllm serve` on a busy 2-core machine takes minutes
+# How long a stopped engine may take to shut down. vLLM's default for a server, 0, kills the
+# engine core at once (an in-process LLM's, 5 s, under load), before it unlinks its shared
+# memory: Python's resource tracker then warns of leaked shared_memory objects at exit, and
+# removes them itself. The engine core waits 5 s for its worker, then 4 more after a SIGTERM.
+SHUTDOWN_TIMEOUT_S = 15
 
 
 def engine_url(port: int) -> str:
@@ -41,7 +46,7 @@ def serve_command(model_dir: Path, port: int, host: str = ADDRESSES[1]) -> list[
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", host, "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
         "--max-model-len", "128", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager",
-        "--enable-scale-out", "--max-num-seqs", "8",
+        "--enable-scale-out", "--max-num-seqs", "8", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "--weight-transfer-config", '{"backend": "shardwise"}',
     ]
 
@@ -113,13 +118,15 @@ def wait_for_trainer(trainer: subprocess.Popen, servers: list[subprocess.Popen],
 
 
 def stop_process(proc: subprocess.Popen) -> None:
-    """Stop a process started in a session of its own and its children: SIGTERM (a server
-    shuts its engine down), then SIGKILL to whatever of the session is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
+    """Stop a process started in a session of its own and its children: SIGTERM to it alone
+    (a server shuts its engine down, which then releases its shared memory; a SIGTERM to the
+    whole session would reach the engine's processes mid-shutdown), then SIGKILL to whatever
+    of the session is left."""
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(SHUTDOWN_TIMEOUT_S + 10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .netns import link_rate
-from .vllm_link import KV_CACHE_BYTES, SERVE_TIMEOUT_S, engine_url, wait_healthy
+from .vllm_link import KV_CACHE_BYTES, SERVE_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, engine_url, wait_healthy
 
 SIZES = {  # hidden, intermediate, layers, heads (head_dim 64 but small: 32), vocab
     "small": (256, 704, 4, 8, 8192),
@@ -206,7 +206,7 @@ def run_rank(cfg: Config) -> dict:
         return out
     finally:
         if engine is not None and not isinstance(engine, str):  # an LLM's engine is a child this process would wait for at exit
-            engine.llm_engine.engine_core.shutdown()
+            engine.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -8,9 +8,12 @@ writes) and go through the model's own ``load_weights`` inside vLLM's layerwise 
 re-runs each layer's post-load processing: on CPU vLLM repacks linear weights for its kernels
 and drops the originals, so nothing may be written in place.
 
-- full mode: each tensor is loaded as soon as all of it has arrived (copied out of the bucket
-  first: the layerwise reload keeps what it is handed until its layer is complete, and the
-  trainer refills the bucket meanwhile).
+- full mode: each tensor is loaded, straight from the bucket, as soon as all of it has
+  arrived; a layer whose tensors are all in goes through its post-load processing there. The
+  layerwise reload keeps what it is handed until its layer is complete, and the trainer
+  refills the bucket once ``update_weights`` returns, so what it still holds of the bucket
+  then (the layers a bucket's end cuts) is copied out (``keep_pending``): one copy of those
+  tensors instead of one of every tensor.
 - delta mode: the engine keeps the last tensors it received (in the wire dtype: a mirror of
   the checkpoint), patches arrive as flat indices with new values or with the steps each
   value moved (``delta``), and ``finish_weight_update`` reloads the patched mirror. Until
@@ -122,9 +125,10 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
                 self._patch(p)
             self.changed = True
             return
-        ready = [(p.name, p.values.view(p.shape).clone()) for p in pieces if p.whole]
+        ready = [(p.name, p.values.view(p.shape)) for p in pieces if p.whole]
         ready += [t for p in pieces if not p.whole for t in self._gather(p)]
         self._load(ready)
+        keep_pending(self.model, data)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -206,6 +210,21 @@ class ShardwiseWeightTransferEngine(WeightTransferEngine[ShardwiseInitInfo, Shar
 
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
+
+
+def keep_pending(model: torch.nn.Module, data: torch.Tensor) -> None:
+    """Copy out of ``data`` (a bucket, refilled once the engine returns) every tensor vLLM's
+    layerwise reload still holds for a layer not yet complete: it keeps the arguments of each
+    weight loader call until the layer's last weight arrives, then loads them all."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    bucket = data.untyped_storage().data_ptr()
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        for _, call in info.loaded_weights if info is not None else ():
+            for name, value in call.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == bucket:
+                    call.arguments[name] = value.clone()
 
 
 def check_names(model: torch.nn.Module, declared: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
