@@ -83,7 +83,7 @@ def test_bench_hybrid_against_fsdp2_hsdp_on_the_same_mesh(pools, tmp_path):
         assert r["bytes_per_step"] == r["theory_bytes"], (name, r["bytes_by_kind"])
         assert r["unknown_collectives"] == [] and r["peak_bytes"] > 0, name
     own, hsdp = rows["shardwise/hybrid_shard"], rows["fsdp2/hybrid_shard"]
-    # the counter sees the replica all-reduce and the step check (all-reduces); our gathers
+    # the counter sees the replicate all-reduce and the step check (all-reduces); our gathers
     # and reduce-scatters within the shard group (posted messages) come from our own books
     ours, counted = own["shardwise_comm_stats_bytes"], own["bytes_by_kind"]
     assert counted == {

@@ -289,12 +289,12 @@ def test_hybrid_trace_shows_both_links(pools):
         spans = T.spans(r, data["units"])
         # per unit and step: a reduce-scatter in the shard group, then an all-reduce of its
         # result across the replicas, issued later than the reduce-scatter
-        for track in ("reduce", "replica"):
+        for track in ("reduce", "replicate"):
             mine = [s for s in spans if s["track"] == track]
             assert sorted(s["unit"] for s in mine) == sorted(names * 2), track
             assert all(s["bytes"] > 0 and s["end"] >= s["start"] for s in mine)
         first = {s["unit"]: s["start"] for s in reversed(spans) if s["track"] == "reduce"}
-        assert all(s["start"] >= first[s["unit"]] for s in spans if s["track"] == "replica")
+        assert all(s["start"] >= first[s["unit"]] for s in spans if s["track"] == "replicate")
     f = report.figures(data, 1)
     psi, b, s, r = f["psi"], 4, 2, 2
     assert f["theory"]["all_gather"] == 2 * psi * b * (s - 1) // s
@@ -313,6 +313,6 @@ def test_hybrid_trace_shows_both_links(pools):
         assert 0.8 * links["theory_within"] <= links["within"][rank] <= 1.05 * links["theory_within"]
     view = report.build(data)
     assert view["mesh"] == data["mesh"] and "2 replicas x 2 shards" in view["title"]
-    assert all(rv["lanes"]["replica"] >= 1 for rv in view["ranks"])
+    assert all(rv["lanes"]["replicate"] >= 1 for rv in view["ranks"])
     threads = {e["args"]["name"] for e in T.to_chrome(data)["traceEvents"] if e["name"] == "thread_name"}
     assert "all-reduce across replicas" in threads

@@ -54,7 +54,7 @@ def test_train_hybrid_shard_reports_both_links():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    assert "strategy hybrid_shard" in text and "replica all-reduce" in text
+    assert "strategy hybrid_shard" in text and "replicate all-reduce" in text
     assert "theory: 3*psi*b*(S-1)/S + 2*psi*b*(R-1)/(R*S)" in text and "N = 4 = R 2 x S 2" in text
     link = text.split("across the replicas (R = 2) theory ")[1]
     theory, measured = link.split(" MiB, measured ")

@@ -211,7 +211,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     rt = runtime_of(model)
     require_idle(rt, "full_state_dict")
     one_replica = rank0_only and rt.mesh.replicate is not None
-    if one_replica and not rt.mesh.first_replica():
+    if one_replica and not rt.mesh.in_first_shard_group():
         return {}
     keep = not rank0_only or dist.get_rank() == 0
     values: dict[str, torch.Tensor] = {}

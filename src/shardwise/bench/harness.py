@@ -81,7 +81,7 @@ TWO_NODE_SYSTEMS = (
     "fsdp2/hybrid_shard",
     "shardwise/hybrid_shard",
     "shardwise/hybrid_shard+int8",
-    "shardwise/hybrid_shard+replica-int8",
+    "shardwise/hybrid_shard+replicate-int8",
     "shardwise/full_shard",
 )
 
@@ -165,16 +165,16 @@ def _known(system: str) -> bool:
     base, plus, variant = system.partition("+")
     if not plus:
         return base in KNOWN
-    replica = variant.removeprefix("replica-")
+    replica = variant.removeprefix("replicate-")
     return base.startswith("shardwise/") and base in KNOWN and (replica in WIRE_FORMATS or variant == "owned")
 
 
 def _comm_of(system: str, cfg: BenchConfig) -> Comm | str | None:
-    """A shardwise system's precision on the wire: after its "+" (``replica-int8``: only the
+    """A shardwise system's precision on the wire: after its "+" (``replicate-int8``: only the
     all-reduce across shard groups, the link between nodes), else ``--comm``."""
     variant = system.partition("+")[2]
-    if variant.startswith("replica-"):
-        return Comm(replicate=variant.removeprefix("replica-"))
+    if variant.startswith("replicate-"):
+        return Comm(replicate=variant.removeprefix("replicate-"))
     wire = variant if variant in WIRE_FORMATS else cfg.comm
     return None if wire == "exact" else wire
 
@@ -545,12 +545,12 @@ def _theory(system: str, cfg: BenchConfig, results: dict) -> int:
     if wire in WIRE_FORMATS:  # bytes per element on the wire, scales included (blocks of the whole)
         b_gather = b_reduce = b_across = Codec(wire).nbytes(psi) / psi
     elif wire.startswith("replica-"):
-        b_across = Codec(wire.removeprefix("replica-")).nbytes(psi) / psi
+        b_across = Codec(wire.removeprefix("replicate-")).nbytes(psi) / psi
     kinds = theory(
         strategy_of(system) or Sharding.NO_SHARD,  # DDP's theory is no_shard's
         psi,
         world=len(results["ranks"]),
-        replicas=results["mesh"][0] if results.get("mesh") else 1,
+        replicate=results["mesh"][0] if results.get("mesh") else 1,
         b_gather=b_gather,
         b_reduce=b_reduce,
         b_across=b_across,

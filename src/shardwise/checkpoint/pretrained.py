@@ -94,7 +94,7 @@ def save_pretrained(
     order = [t.unit for _, ts in layout for t in ts if t.unit is not None]
     feed = UnitFeed(rt.units, [u for i, u in enumerate(order) if i == 0 or order[i - 1] != u])
     problem = ""
-    if rt.mesh.first_replica():  # hybrid sharding: the other replicas hold the same rows
+    if rt.mesh.in_first_shard_group():  # hybrid sharding: the other replicas hold the same rows
         with flight.apart() if rt.mesh.replicate is not None else contextlib.nullcontext():
             if dist.get_rank() == 0:  # idle_world_runtime checked that the model's mesh spans the world
                 problem = _write(model, path, layout, tensors, feed)

@@ -65,7 +65,7 @@ def idle_world_runtime(model: nn.Module, what: str) -> Runtime:
 
 def param_slots(rt: Runtime) -> list[ParamSlot]:
     """Every parameter of the model, in ``named_parameters()`` order."""
-    writes = rt.mesh.first_replica()
+    writes = rt.mesh.in_first_shard_group()
     rank0 = dist.get_rank() == 0
     slots = []
     for unit in rt.units:

@@ -184,7 +184,7 @@ class Mesh:
     replicate: dist.ProcessGroup | None = None
     whole: dist.ProcessGroup | None = None
 
-    def first_replica(self) -> bool:
+    def in_first_shard_group(self) -> bool:
         """Whether this rank's shard group is the one holding global rank 0 (always, without
         hybrid sharding): the replica that alone writes or gathers what is needed once
         (checkpoint shards, a full state dict for rank 0, a Hugging Face export)."""

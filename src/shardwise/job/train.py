@@ -544,11 +544,11 @@ def render_summary(s: dict) -> str:
         + (f"memory budget {cfg['memory_budget']} (the plan above, per block), " if cfg["memory_budget"] else "")
         + f"compiled blocks {'on' if cfg['compile'] else 'off'}"
     )
-    hybrid = theory["replicas"] > 1
+    hybrid = theory["replicate"] > 1
     lines += [
         "",
         "bytes sent per rank per step (MiB)   all-gather  reduce-scatter  all-reduce"
-        + ("  replica all-reduce" if hybrid else "")
+        + ("  replicate all-reduce" if hybrid else "")
         + "   total   step ms",
     ]
     for r in rows:
@@ -560,7 +560,7 @@ def render_summary(s: dict) -> str:
             + (f"            {_mib(across)}" if hybrid else "")
             + f" {_mib(total)}  {r['step_ms']:8.1f}"
         )
-    ranks = f"N = {n}" if not hybrid else f"N = {n} = R {theory['replicas']} x S {theory['shard']}"
+    ranks = f"N = {n}" if not hybrid else f"N = {n} = R {theory['replicate']} x S {theory['shard']}"
     lines.append(
         f"  theory: {theory['formula']} = {theory['bytes'] / 2**20:.2f} MiB "
         f"(psi = {theory['psi']:,} parameters, b = {theory['b']} bytes, {ranks}); {theory['note']}"
@@ -571,7 +571,7 @@ def render_summary(s: dict) -> str:
         lines.append(
             f"  per link: within each shard group (S = {theory['shard']} ranks) theory "
             f"{theory['within'] / 2**20:.2f} MiB, measured {_mib(max(within)).strip()} MiB; across the "
-            f"replicas (R = {theory['replicas']}) theory {theory['across'] / 2**20:.2f} MiB, "
+            f"replicas (R = {theory['replicate']}) theory {theory['across'] / 2**20:.2f} MiB, "
             f"measured {_mib(max(across)).strip()} MiB (the most any rank sent)"
         )
     replica_groups = [r.get("replica_groups_all_reduce", 0) for r in rows]

@@ -68,11 +68,11 @@ def _wire(codec: Codec | None, itemsize: int, psi: int) -> float:
 
 
 def theory(
-    strategy: Sharding | str, psi: int, *, world: int, replicas: int = 1, b_gather: float, b_reduce: float,
+    strategy: Sharding | str, psi: int, *, world: int, replicate: int = 1, b_gather: float, b_reduce: float,
     b_across: float | None = None, root: int = 0, trained: int | None = None,
 ) -> dict[str, float]:
     """Bytes per rank per step by collective kind in theory, for psi parameters on ``world``
-    = R x S ranks (R ``replicas`` of shard groups of S with hybrid sharding, else S = N) and
+    = R x S ranks (R = ``replicate`` shard groups of S with hybrid sharding, else S = N) and
     ring collectives sending b bytes per element: full shard gathers every unit twice, less
     the ``root`` unit's parameters' backward gather (it stays gathered from forward to
     backward), and reduce-scatters once, 3 psi b (S-1)/S; shard_grad_op gathers once; no_shard
@@ -80,7 +80,7 @@ def theory(
     across the replicas, 2 psi b_across (R-1)/(R S). With ``trained`` (parameters that train),
     the step check: one all-reduce over all N of a flag per trained parameter and two numbers."""
     sharding = Sharding.of(strategy)
-    r = replicas if sharding.hybrid else 1
+    r = replicate if sharding.hybrid else 1
     s = world // r
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     if sharding.shard:
@@ -116,10 +116,10 @@ _NOTES = {
     Sharding.SHARD_GRAD_OP: "one gather in forward, one reduce-scatter; padding rows add a little",
     Sharding.NO_SHARD: "DDP's all-reduce; the gradient-norm all-reduce adds 4 bytes",
     Sharding.HYBRID_SHARD_GRAD_OP: "one gather in forward and one reduce-scatter in the shard "
-    "group, then the replica all-reduce of each rank's reduced shard; padding rows add a little",
+    "group, then the replicate all-reduce of each rank's reduced shard; padding rows add a little",
 }
 _NOTES[Sharding.HYBRID_SHARD] = _NOTES[Sharding.FULL_SHARD] + (
-    "; the replica all-reduce moves each rank's reduced shard across the replicas"
+    "; the replicate all-reduce moves each rank's reduced shard across the replicas"
 )
 
 
@@ -138,7 +138,7 @@ def theory_bytes_per_step(model: nn.Module, strategy: Sharding | str) -> dict:
     strategy = Sharding.of(strategy)
     kept = _kept_gathered(model) if strategy.reshard_after_forward else 0
     kinds = theory(
-        strategy, psi, world=r * s, replicas=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across,
+        strategy, psi, world=r * s, replicate=r, b_gather=b_gather, b_reduce=b_reduce, b_across=b_across,
         root=kept,
     )
     across = int(kinds.pop("replicate_all_reduce", 0))
@@ -149,7 +149,7 @@ def theory_bytes_per_step(model: nn.Module, strategy: Sharding | str) -> dict:
         "bytes": within + across,
         "within": within,
         "across": across,
-        "replicas": r,
+        "replicate": r,
         "shard": s,
         "psi": psi,
         "b": b_reduce if same else f"{b_gather} (gather), {b_reduce} (reduce)",

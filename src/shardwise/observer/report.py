@@ -53,7 +53,7 @@ def build(data: dict, step: int = -1) -> dict:
         view_ranks.append({
             "rank": r["rank"],
             "spans": spans,
-            "lanes": {t: T.lanes([s for s in spans if s["track"] == t]) for t in ("gather", "reduce", "replica")},
+            "lanes": {t: T.lanes([s for s in spans if s["track"] == t]) for t in ("gather", "reduce", "replicate")},
             "memory": [[_rel(m[0], t0), *m[2:]] for m in r["memory"] if start <= m[0] <= end and m[1] != "meta"],
             "initial": _states_before(r["events"], start, units),
             "start": _rel(start, t0),
@@ -127,7 +127,7 @@ def _mesh(data: dict) -> dict:
 def figures(data: dict, index: int) -> dict:
     """Bytes each rank sent in the step against theory, and memory against DDP. With hybrid
     sharding the bytes are also split by link: within the shard groups (gathers and
-    reduce-scatters over S ranks) and across them (the replica all-reduce over R ranks)."""
+    reduce-scatters over S ranks) and across them (the replicate all-reduce over R ranks)."""
     n = data["world_size"]
     mesh = _mesh(data)
     reps, s = mesh["replicate"], mesh["shard"]
@@ -137,7 +137,7 @@ def figures(data: dict, index: int) -> dict:
     b_reduce = _itemsize(data["precision"]["reduce_dtype"] or data["precision"]["param_dtype"])
     trained = sum(u.get("trained", 0) for u in units)
     theory = accounting.theory(
-        data["strategy"], psi, world=n, replicas=reps, b_gather=b_gather, b_reduce=b_reduce, trained=trained
+        data["strategy"], psi, world=n, replicate=reps, b_gather=b_gather, b_reduce=b_reduce, trained=trained
     )
     formula = accounting.formula(data["strategy"], b_gather == b_reduce) + " + step check"
     # the ranks each kind runs over: gathers, reduce-scatters and clipping's all-reduce in

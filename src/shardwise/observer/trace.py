@@ -402,7 +402,7 @@ class Trace:
             "world_size": world,
             "strategy": self.runtime.sharding.value,
             # (replicas, shard group size): gathers and reduce-scatters run within a shard
-            # group, hybrid sharding's replica all-reduces across them
+            # group, hybrid sharding's replicate all-reduces across them
             "mesh": {
                 "replicate": dist.get_world_size(mesh.replicate) if mesh.replicate is not None else 1,
                 "shard": dist.get_world_size(mesh.shard),
@@ -494,7 +494,7 @@ def load(path: str | Path) -> dict:
 
 def spans(rank: dict, units: list[dict]) -> list[dict]:
     """Every span of one rank: compute (forward/backward of a unit, the optimizer step) and
-    communication (gather, reduce; with hybrid sharding, replica: the all-reduce of a unit's
+    communication (gather, reduce; with hybrid sharding, replicate: the all-reduce of a unit's
     reduced shard across the replicas, from its issue to its wait), each with start, end,
     track and label."""
     out: list[dict] = []
@@ -524,7 +524,7 @@ def spans(rank: dict, units: list[dict]) -> list[dict]:
         elif kind in ("gather_complete", "reduce_complete"):
             _close(issued, (kind.split("_")[0], unit), t)
         elif kind == "collective" and ev[3] == "replicate_all_reduce":
-            out.append(_span("replica", "all_reduce", name(unit), ev[5], t, bytes=ev[4], wait=ev[6]))
+            out.append(_span("replicate", "all_reduce", name(unit), ev[5], t, bytes=ev[4], wait=ev[6]))
         elif kind == "collective" and ev[3] in _STREAM:
             _close(issued, (_STREAM[ev[3]], unit), t, wait=ev[6])
     for (stream, unit), items in issued.items():
@@ -624,9 +624,9 @@ def to_chrome(data: dict) -> dict:
         "compute": "compute",
         "gather": "all-gather",
         "reduce": "reduce-scatter / all-reduce",
-        "replica": "all-reduce across replicas",
+        "replicate": "all-reduce across replicas",
     }
-    base = {"compute": 0, "gather": 100, "reduce": 200, "replica": 300}
+    base = {"compute": 0, "gather": 100, "reduce": 200, "replicate": 300}
     out = []
     for r in data["ranks"]:
         pid = r["rank"]
@@ -634,7 +634,7 @@ def to_chrome(data: dict) -> dict:
         every = spans(r, data["units"])
         for track in names:
             mine = [s for s in every if s["track"] == track]
-            if track == "replica" and not mine:  # hybrid sharding only
+            if track == "replicate" and not mine:  # hybrid sharding only
                 continue
             for lane in range(lanes(mine) if track != "compute" else 1):
                 label = names[track] + (f" ({lane + 1})" if lane else "")

@@ -56,7 +56,7 @@ class ShardwiseSource(WeightSource):
         return [ParamMeta(e.name, e.dtype, e.shape) for e in self.exports]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if not self.rt.mesh.first_replica():
+        if not self.rt.mesh.in_first_shard_group():
             return
         scratch, view = Scratch(), Live(self.rt)
         with view.reading(), torch.no_grad():
@@ -137,7 +137,7 @@ class ShardwiseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Shardwise
         delta = self.info.delta and self.shadow.valid
         payload = sum(e.nbytes for e in src.exports)
         senders = [_Sender(f, version, payload, self.info.delta) for f in self.feeds]
-        reads = rt.mesh.first_replica()
+        reads = rt.mesh.in_first_shard_group()
         problems = []
         try:
             with view.reading(), torch.no_grad():

@@ -242,7 +242,7 @@ class Frozen(Live):
         self.shards: dict[int, torch.Tensor] = {}
         self.unit_params: dict[int, list[torch.Tensor]] = {}
         self.buffers: dict[str, torch.Tensor] = {}
-        if not rt.mesh.first_replica():
+        if not rt.mesh.in_first_shard_group():
             return
         with torch.no_grad():
             for i, exps in groups:
@@ -295,7 +295,7 @@ class PushGroups:
     def create(cls, rt: Runtime) -> PushGroups:
         """Collective: every rank calls it, on its main thread, in the same order."""
         world = groups.background_group()
-        mine = {_ranks(u.group) for u in rt.units} | {_ranks(rt.mesh.shard)} if rt.mesh.first_replica() else set()
+        mine = {_ranks(u.group) for u in rt.units} | {_ranks(rt.mesh.shard)} if rt.mesh.in_first_shard_group() else set()
         every = [None] * dist.get_world_size()
         C.blocking("all_gather", "VLLMSync push groups", dist.all_gather_object, every, sorted(mine))
         units = {}

@@ -225,7 +225,7 @@ class VLLMSync:
         if not self.urls:
             return ([Feed(asked[0])] if asked else []), 1
         every = [None] * dist.get_world_size()
-        reads = self.source.rt.mesh.first_replica()
+        reads = self.source.rt.mesh.in_first_shard_group()
         C.blocking("all_gather", "VLLMSync feeders", dist.all_gather_object, every, reads)
         ranks = [r for r, first in enumerate(every) if first]
         feeds = []
