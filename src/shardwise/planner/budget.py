@@ -37,7 +37,9 @@ did, where moving one block at a time cost a whole-model plan per block and kind
 The path's steps are coarser, so a budget refines the one it first fits (``refine``): the move
 made on the first m blocks of the group only, m guessed by interpolating the peak between the
 configuration it was made on and the step, and each guess planned whole with the real runtime
-(a configuration that treats blocks differently is not alike), kept where it fits. Moving a
+(a configuration that treats blocks differently is not alike), kept where it fits; an earlier
+move on the group that this one overrides (selective recomputation under full) is then taken
+back on as many of the other blocks as still fit (``_thinned``). Moving a
 group can stop short of the smallest peak a move per unit reaches (offloading the last block's
 activations saves nothing, as its backward comes first, but takes the place of recomputing it):
 where nothing fits, a model planned whole (small) is searched again a unit a move (plan.py); a
@@ -274,13 +276,42 @@ def refine(
             lo = (m, e.peak)
     if found is None:
         return steps
-    trial, e = found
+    trial, e, back = _thinned(steps[:i], kind, group, hi[0], found, run, budget, tries)
     t = timed(trial, e)
     why = (
-        f"{kind} {_names(group[: hi[0]])} ({hi[0]} of {len(group)}, for the budget): "
+        f"{kind} {_names(group[: hi[0]])} ({hi[0]} of {len(group)}, for the budget{back}): "
         f"{_delta(steps[i - 1].estimate, e, steps[i - 1].seconds, t)}"
     )
     return [*steps[:i], Step(trial, e, t, why, (kind, group[: hi[0]]), before), *steps[i:]]
+
+
+def _thinned(steps, kind, group, m, found, run, budget, tries) -> tuple[Settings, object, str]:
+    """``found`` (the move on the group's first ``m`` units) with the last earlier move on the
+    same group that it overrides (another kind setting the same fields: selective recomputation
+    under full) taken back on as many of the group's other units as still fits: the group moved
+    alike needed it everywhere, the refined configuration may not, where a move per unit would
+    not have made it."""
+    fields = set(_CHANGES[kind])
+    earlier = next(
+        (s for s in reversed(steps) if s.move and s.move[0] != kind and s.move[1] == group and fields & set(_CHANGES[s.move[0]])),
+        None,
+    )
+    if earlier is None or m == len(group):
+        return (*found, "")
+    tail, (lo, hi) = group[m:][::-1], (0, len(group) - m + 1)  # (k undone: fits, does not)
+    while hi - lo > 1 and tries != 0:
+        tries = None if tries is None else tries - 1
+        k = (lo + hi) // 2
+        trial = _undone(found[0], earlier.move[0], tail[:k], earlier.before.settings)
+        try:
+            e = run(trial)
+        except ShardwiseError:
+            break
+        if math.ceil(e.peak * (1 + MARGIN)) <= budget:
+            lo, found = k, (trial, e)
+        else:
+            hi = k
+    return (*found, f"; {earlier.move[0]} taken back on {_names([n for n in group if n in tail[:lo]])}" if lo else "")
 
 
 def _names(names: Sequence[str]) -> str:
@@ -294,16 +325,28 @@ def _names(names: Sequence[str]) -> str:
 
 def _moved(settings: Settings, kind: str, names: Sequence[str], sharded: tuple[Sharding, Sharding]) -> Settings:
     """``settings`` with some units' setting changed."""
-    change = {
-        "reshard": {"reshard_after_forward": True},
-        "recompute": {"checkpoint": "full"},
-        "selective": {"checkpoint": "selective"},
-        "offload": {"offload": True},
-        "offload activations": {"checkpoint": "none", "offload_activations": True},
-    }
-    units = tuple((n, replace(c, **change[kind]) if n in names else c) for n, c in settings.units)
+    units = tuple((n, replace(c, **_CHANGES[kind]) if n in names else c) for n, c in settings.units)
     strategy = sharded[1] if any(c.reshard_after_forward for _, c in units) else sharded[0]
     return Settings(strategy, settings.wrap, units)
+
+
+def _undone(settings: Settings, kind: str, names: Sequence[str], base: Settings) -> Settings:
+    """``settings`` with a move of ``kind`` taken back on some units: what the move changes set
+    as ``base`` had it."""
+    units = tuple(
+        (n, replace(c, **{f: getattr(base.of(n), f) for f in _CHANGES[kind]}) if n in names else c)
+        for n, c in settings.units
+    )
+    return Settings(settings.strategy, settings.wrap, units)
+
+
+_CHANGES = {
+    "reshard": {"reshard_after_forward": True},
+    "recompute": {"checkpoint": "full"},
+    "selective": {"checkpoint": "selective"},
+    "offload": {"offload": True},
+    "offload activations": {"checkpoint": "none", "offload_activations": True},
+}
 
 
 # the headroom a choice keeps under the budget: the planner's peaks matched MemTracker's to
