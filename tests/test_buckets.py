@@ -51,7 +51,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
-def train(bucket_bytes: int | None, strategy: str, precision, orders: list, steps: int = 4, offload: bool = False):
+def train(
+    bucket_bytes: int | None, strategy: str, precision, orders: list, steps: int = 4, offload: bool = False,
+    shard_size: int | None = None,
+):
     """SGD steps of ``Blocks`` (one forward order per step from ``orders``, cycled); returns
     per step each shard's gradient, the shards after the step, the buckets' members (by name),
     and the full state dict at the end, with the single-process reference's parameters."""
@@ -59,7 +62,7 @@ def train(bucket_bytes: int | None, strategy: str, precision, orders: list, step
     ref = Blocks()
     model = shardwise.shard(
         copy.deepcopy(ref), wrap=shardwise.wrap.by_class(Block), strategy=strategy, mixed_precision=precision,
-        cpu_offload=offload,
+        cpu_offload=offload, shard_size=shard_size,
     )
     rt = model._shardwise
     if bucket_bytes is not None:
@@ -126,6 +129,35 @@ def test_bucketed_equals_alone_other_settings(pools, strategy, precision, offloa
     bucketed = pools(2).run(train, None, strategy, precision, [ORDER], 4, offload)
     _compare(alone, bucketed, tolerance)
     assert len(bucketed[0][0][-1][2]) == 1
+
+
+@pytest.mark.parametrize("strategy,precision", [("hybrid_shard", None), ("hybrid_shard_grad_op", "bf16")])
+def test_bucketed_hybrid_equals_alone(pools, strategy, precision):
+    """2 shard groups of 2: each bucket's reduced shard is all-reduced across the 2 replicas in
+    one collective, bitwise what each unit's own all-reduce gives (two values per element)."""
+    tolerance = 1e-5 if precision is None else 2e-2
+    alone = pools(4).run(train, 0, strategy, precision, [ORDER], 4, False, 2)
+    bucketed = pools(4).run(train, None, strategy, precision, [ORDER], 4, False, 2)
+    _compare(alone, bucketed, tolerance)
+    assert bucketed[0][0][-1][2] == [[f"blocks.{i}" for i in ORDER]]
+    kinds = pools(4).run(_replicate_all_reduces, strategy)
+    assert kinds[0] == (1 + 1, 6 + 1), kinds  # per step: a bucket's and the root's; else one per unit
+
+
+def _replicate_all_reduces(strategy: str) -> tuple[int, int]:
+    """The all-reduces across replicas of one step, bucketed and with every unit alone."""
+    counts = []
+    for bucket_bytes in (None, 0):
+        torch.manual_seed(0)
+        model = shardwise.shard(Blocks(), wrap=shardwise.wrap.by_class(Block), strategy=strategy, shard_size=2)
+        if bucket_bytes is not None:
+            model._shardwise.bucket_bytes = bucket_bytes
+        x, y = _batch(0, 4 * dist.get_world_size())
+        for _ in range(2):  # the first step has no order to bucket from
+            start = flight._seq
+            F.cross_entropy(model(_local(x)), _local(y)).backward()
+        counts.append(sum(r.kind == "replicate_all_reduce" for r in flight._ring if r.seq >= start))
+    return tuple(counts)
 
 
 def test_order_change_rebuckets(pools):

@@ -18,16 +18,18 @@ held until its last member copies its part out, and the prefetch limit (``max_un
 counts the bucket as one unit (``Bucket.occupancy``: the runtime's ``Occupancy`` sees one
 gather).
 
-Only units on a Gloo group of several ranks, without codecs, replicas or whole-parameter
-placement are bucketed: the paths where the shared collective is the one a unit would issue
-itself, as rows (Note [Gloo gather and reduce-scatter]). Offloaded units (on Gloo the shards
-are in the one memory, no side streams) are bucketed with each other: the gather's copy of
-their shards is the copy each would make, and each brings its gradient shard to its master
-copy as it would alone. Hybrid sharding is not: its all-reduce across replicas, over a bucket
-rather than a unit, would sum its elements in other chunks of Gloo's ring, and with three
-replicas or more in another order. On NCCL a small
-collective costs tens of microseconds, not hundreds, and its units keep their own (the
-planner, standing for NCCL, follows).
+Only units on a Gloo group of several ranks, without codecs, replica groups outside the job
+or whole-parameter placement are bucketed: the paths where the shared collective is the one a
+unit would issue itself, as rows (Note [Gloo gather and reduce-scatter]). Offloaded units (on
+Gloo the shards are in the one memory, no side streams) are bucketed with each other: the
+gather's copy of their shards is the copy each would make, and each brings its gradient shard
+to its master copy as it would alone. With hybrid sharding the bucket's reduced shard is
+all-reduced across the replicas in one collective too, issued as its first member moves its
+reduction on. With two replicas each element's sum is the same two numbers, as unbucketed;
+with three or more, Gloo's ring adds an element's values in an order set by where it falls in
+the ring's chunks, so the last bit may differ from unbucketed units' (every rank still gets the
+same sum). On NCCL a small collective costs tens of microseconds, not hundreds, and its units
+keep their own (the planner, standing for NCCL, follows).
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ def key(unit: ShardedUnit) -> tuple | None:
     """What units must share to share a bucket; None where a unit is never bucketed."""
     if (
         unit.is_root or not C.on_gloo(unit.group) or unit.streams is not None
-        or unit.replicate is not None or unit.replica_groups is not None or not unit.layout.uniform
-        or unit.gather_codec is not None or unit.reduce_codec is not None
+        or unit.replica_groups is not None or not unit.layout.uniform
+        or unit.gather_codec is not None or unit.reduce_codec is not None or unit.replicate_codec is not None
     ):
         return None
     return (
-        unit.group, unit.device, unit.flat_shard.dtype, unit.compute_dtype, unit.reduce_dtype,
+        unit.group, unit.replicate, unit.device, unit.flat_shard.dtype, unit.compute_dtype, unit.reduce_dtype,
         unit.reshard_after_forward, unit.offloaded,
     )
 
@@ -97,6 +99,7 @@ class Bucket:
         self.units = units
         first = units[0]
         self.group, self.world, self.rank = first.group, first.world, first.rank
+        self.replicate, self.replicate_size = first.replicate, first.replicate_size
         self.label = f"{first.label} .. {units[-1].label} ({len(units)} units)"
         self.channel = _channel(units)
         self.shard_numel = sum(u.flat_shard.numel() for u in units)
@@ -113,6 +116,8 @@ class Bucket:
         self.grad_numel = at
         self._rows: C.ScatterRows | None = None
         self._packed = 0
+        self._out: torch.Tensor | None = None  # the reduced rows of the reduction in flight
+        self._replicating: C.Pending | None = None  # and their all-reduce across replicas
         self.occupancy = Occupancy()  # its members', which the runtime's counts as one gather
         for u in units:
             u.bucket = self
@@ -160,16 +165,27 @@ class Bucket:
         unit.grad_layout.pack(grads, rows)
         if unit.reduce_dtype.itemsize < 4:  # as ShardedUnit.reduce_grads: divided before the sum
             for row in rows:
-                row.div_(self.world)
+                row.div_(self.world * self.replicate_size)
         self._packed += 1
         if self._packed < len(self.trainable):
             return False
         buf, self._rows, self._packed = self._rows, None, 0
         pending = C.reduce_scatter(buf, self.group, self.label, self.channel)
+        self._out, self._replicating = buf.out, None
+        stages = [self._replicate_all_reduce] if self.replicate is not None else []
         for u in self.trainable:
             s, k = self._grad_at[u]
-            u.take_reduction(pending, buf.out[s : s + k])
+            u.take_reduction(pending, buf.out[s : s + k], stages)
         return True
+
+    def _replicate_all_reduce(self, _part: torch.Tensor) -> C.Pending:
+        """Hybrid sharding's all-reduce across replicas of the whole reduced shard: issued by
+        the first member to need it (after the reduce-scatter's wait), shared by the others."""
+        if self._replicating is None:
+            self._replicating = C.all_reduce(
+                self._out, self.replicate, self.label, kind="replicate_all_reduce", channel=self.channel
+            )
+        return self._replicating
 
     def unpacked(self) -> list[ShardedUnit]:
         """Where some members packed their gradients and others not (units that did not run
@@ -180,5 +196,5 @@ class Bucket:
 
     def reset(self) -> None:
         """Drop a reduction half packed (after a step that raised: every rank drops it alike)."""
-        self._rows = None
+        self._rows = self._out = self._replicating = None
         self._packed = 0

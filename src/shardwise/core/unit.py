@@ -473,12 +473,12 @@ class ShardedUnit(Unit):
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
 
-    def take_reduction(self, pending: C.Pending, out: torch.Tensor) -> None:
+    def take_reduction(self, pending: C.Pending, out: torch.Tensor, stages: list) -> None:
         """This unit's part of its bucket's reduce-scatter, issued: ``out`` will hold its summed
-        gradient shard."""
+        gradient shard once ``stages`` (the bucket's all-reduce across replicas, if any) are done."""
         self.awaiting_bucket = False
-        self._predivided = self.reduce_dtype.itemsize < 4 and self.world > 1
-        self._reduce, self._reduce_out, self._replicate_reduce, self._stages = pending, out, None, []
+        self._predivided = self.reduce_dtype.itemsize < 4 and self.world * self.replicate_size > 1
+        self._reduce, self._reduce_out, self._replicate_reduce, self._stages = pending, out, None, list(stages)
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * out.numel() * out.element_size())
 
