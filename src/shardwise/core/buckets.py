@@ -116,8 +116,6 @@ class Bucket:
         self.grad_numel = at
         self._rows: C.ScatterRows | None = None
         self._packed = 0
-        self._out: torch.Tensor | None = None  # the reduced rows of the reduction in flight
-        self._replicating: C.Pending | None = None  # and their all-reduce across replicas
         self.occupancy = Occupancy()  # its members', which the runtime's counts as one gather
         for u in units:
             u.bucket = self
@@ -171,21 +169,24 @@ class Bucket:
             return False
         buf, self._rows, self._packed = self._rows, None, 0
         pending = C.reduce_scatter(buf, self.group, self.label, self.channel)
-        self._out, self._replicating = buf.out, None
-        stages = [self._replicate_all_reduce] if self.replicate is not None else []
+        stages = [self._replicate_all_reduce(buf.out)] if self.replicate is not None else []
         for u in self.trainable:
             s, k = self._grad_at[u]
             u.take_reduction(pending, buf.out[s : s + k], stages)
         return True
 
-    def _replicate_all_reduce(self, _part: torch.Tensor) -> C.Pending:
-        """Hybrid sharding's all-reduce across replicas of the whole reduced shard: issued by
-        the first member to need it (after the reduce-scatter's wait), shared by the others."""
-        if self._replicating is None:
-            self._replicating = C.all_reduce(
-                self._out, self.replicate, self.label, kind="replicate_all_reduce", channel=self.channel
-            )
-        return self._replicating
+    def _replicate_all_reduce(self, out: torch.Tensor):
+        """Hybrid sharding's stage after the reduce-scatter: the all-reduce across replicas of
+        the whole reduced shard ``out``, issued by the first member to move its reduction on
+        and shared by the others (only they hold it: the bucket keeps no buffer past a step)."""
+        issued: list[C.Pending] = []
+
+        def stage(_part: torch.Tensor) -> C.Pending:
+            if not issued:
+                issued.append(C.all_reduce(out, self.replicate, self.label, kind="replicate_all_reduce", channel=self.channel))
+            return issued[0]
+
+        return stage
 
     def unpacked(self) -> list[ShardedUnit]:
         """Where some members packed their gradients and others not (units that did not run
@@ -196,5 +197,5 @@ class Bucket:
 
     def reset(self) -> None:
         """Drop a reduction half packed (after a step that raised: every rank drops it alike)."""
-        self._rows = self._out = self._replicating = None
+        self._rows = None
         self._packed = 0

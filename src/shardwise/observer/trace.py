@@ -312,7 +312,15 @@ class Trace:
         self._record(name, unit, time.perf_counter(), fields)
 
     def _on_event(self, name: str, unit: str, t: float, **fields) -> None:
-        self._record(name, self.index.get(unit, -1), t, fields)
+        i = self.index.get(unit, -1)
+        if i < 0 and name == "collective" and fields["kind"] == "replicate_all_reduce":
+            bucket = next((b for b in self.runtime.buckets if b.label == unit), None)
+            if bucket is not None:  # a bucket's one all-reduce: each member's part, as its own
+                for u in bucket.trainable:
+                    part = fields["bytes"] * u.grad_layout.sizes[0] // bucket.grad_numel
+                    self._record(name, self.index[u.label], t, {**fields, "bytes": part})
+                return
+        self._record(name, i, t, fields)
 
     def _record(self, name: str, unit: int, t: float, fields: dict) -> None:
         rel = self._rel(t)
