@@ -124,6 +124,7 @@ class Unit:
 
     state: UnitState
     reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
+    one_rank = False  # a sharded unit over one rank that gathers itself at its wait (never prefetched)
 
     def __init__(
         self, module: nn.Module, name: str, registrations: list[Registration], group, replica_groups: ReplicaGroups | None
@@ -275,6 +276,9 @@ class ShardedUnit(Unit):
         # one rank with a cast or an offload: the flat shard is laid out as the full buffer,
         # so the gather is one copy (casting) into it at the wait, with no collective to issue
         self._alone = self.world == 1 and not self._direct and streams is None
+        # either way the unit's own wait does the whole gather on this thread: prefetching it
+        # would only move that work, so it is neither prefetched nor counted (``Occupancy``)
+        self.one_rank = self._alias or self._alone
         self.flat_full = (
             flat_shard
             if self._alias
@@ -307,7 +311,10 @@ class ShardedUnit(Unit):
         self.state = new
 
     def count_in(self, occupancy: Occupancy) -> None:
-        """Keep ``occupancy`` up to date with this unit's state from now on."""
+        """Keep ``occupancy`` up to date with this unit's state from now on (not a unit over
+        one rank: ``one_rank``)."""
+        if self.one_rank:
+            return
         self._counted = self.reshard_after_forward and not self.is_root
         state, self.state = self.state, UnitState.SHARDED
         self.occupancy = occupancy
@@ -743,11 +750,12 @@ class ReplicatedUnit(Unit):
                 c.grad = view
             self._bucket = self._flat_grad
         elif self.world == 1 and self.replica_groups is None:
-            # nothing to reduce: each gradient is only brought to the reduction dtype, as its
-            # piece of the bucket would be (no concatenation and split per step)
+            # nothing to reduce: each gradient is only brought to the reduction dtype and then
+            # the parameter's, as its piece of the bucket would be (no concatenation and split
+            # per step)
             self._pieces = [
-                c.grad.to(self.reduce_dtype) if c.grad is not None else torch.zeros_like(c, dtype=self.reduce_dtype)
-                for c in compute
+                (c.grad.to(self.reduce_dtype) if c.grad is not None else torch.zeros_like(c, dtype=self.reduce_dtype)).to(p.dtype)
+                for c, p in zip(compute, self._grad_holders())
             ]
         else:
             self._bucket = torch.cat([
@@ -759,7 +767,7 @@ class ReplicatedUnit(Unit):
         if self._pieces is not None:
             self.reduce_issued = True
             if events.listeners:
-                events.emit("reduce_issue", self.label, bytes=sum(g.numel() for g in self._pieces) * self.reduce_dtype.itemsize)
+                events.emit("reduce_issue", self.label, bytes=sum(self._numels) * self.reduce_dtype.itemsize)
             return
         if self.world > 1:
             self._reduce = C.all_reduce(  # see Runtime.reduce
@@ -782,8 +790,9 @@ class ReplicatedUnit(Unit):
             self._replica_groups_reduce = C.replica_groups_all_reduce(self._bucket, self.replica_groups, self.label)
 
     def finish_reduce(self) -> None:
-        if self._pieces is not None:
+        if self._pieces is not None:  # (in the parameters' dtype already)
             pieces, self._pieces = self._pieces, None
+            params = self._grad_holders()
         elif self._bucket is None:
             return
         else:
@@ -798,11 +807,10 @@ class ReplicatedUnit(Unit):
                 if events.listeners:
                     events.emit("reduce_done", self.label)
                 return
-            pieces = self._bucket.split(self._numels)
-        params = self._grad_holders()
+            params = self._grad_holders()
+            pieces = [b.view_as(p).to(p.dtype) for b, p in zip(self._bucket.split(self._numels), params)]
         self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
-            b = b.view_as(p).to(p.dtype)
             if p.grad is None:
                 p.grad = b
             elif self.casts:  # the compute copies' gradients add to the parameters' own
