@@ -218,6 +218,7 @@ class Runtime:
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
         self.next_backward: dict[Unit, Unit] = {}
         self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
+        self.unfinished: set[Unit] = set()  # units whose reduction was issued and not finished
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units (a bucket counting once) unsharded or gathering at once
         self._tracks_peak = any(u.reshard_after_forward and not u.one_rank for u in units if not u.is_root)
@@ -432,6 +433,7 @@ class Runtime:
             if ready_only and u.grads_ready < u.num_trainable:
                 return
             u.reduce_grads()
+            self.unfinished.add(u)
             self.next_in_order += 1
 
     def reduce(self, unit: ShardedUnit) -> None:
@@ -446,10 +448,13 @@ class Runtime:
         for u in self.reducing:
             u.advance_reduce()
         while len(self.reducing) > self._all_reduces_after_scatter:
-            self.reducing.pop(0).finish_reduce()
+            done = self.reducing.pop(0)
+            done.finish_reduce()
+            self.unfinished.discard(done)
         if not unit.is_root:
             unit.reshard()
         unit.reduce_grads()
+        self.unfinished.add(unit)
         if not unit.awaiting_bucket:  # (else its bucket's last member issues the reduction)
             self.reducing.append(unit)
 
@@ -461,8 +466,8 @@ class Runtime:
         left = self.pending_backwards.get(unit, 1) - 1
         self.pending_backwards[unit] = left
         if left == 0 and self.sync_grads and isinstance(unit, ShardedUnit) and not unit.reduce_issued:
-            self.reduce(unit)
-        if not unit.is_root:
+            self.reduce(unit)  # (which reshards it)
+        elif not unit.is_root:
             unit.reshard()
 
     def _final_callback(self) -> None:
@@ -477,10 +482,12 @@ class Runtime:
                 for u in b.unpacked():
                     self.reduce(u)
             self.agreeing = self._agree_used()  # issued now, read after the last reductions' waits
-            for u in self.units:  # every all-reduce across replicas in flight before any wait
+            unfinished = [u for u in self.units if u in self.unfinished]
+            for u in unfinished:  # every all-reduce across replicas in flight before any wait
                 u.advance_reduce()
-            for u in self.units:
+            for u in unfinished:
                 u.finish_reduce()
+            self.unfinished = set()
             agreed, self.agreeing = self.agreeing(), None
             self._keep_used(agreed)
             self.ran_since_sync = set()
@@ -545,6 +552,7 @@ class Runtime:
             agreeing, self.agreeing = self.agreeing, None
             agreeing()
         self.reducing = []
+        self.unfinished = set()
         self.next_in_order = 0
         self.pending_backwards = {}
         self.ran_since_sync = set()

@@ -242,6 +242,8 @@ class ShardedUnit(Unit):
         # the gather reads the flat shard directly unless it must first move or change dtype
         # (offloaded: always a copy, even where host and device are the same memory)
         self._direct = not offload and self.compute_dtype == flat_shard.dtype
+        # a gradient in the reduction dtype is in the master's dtype and memory already
+        self._reduced_is_master = not offload and self.reduce_dtype == flat_shard.dtype
         self.streams = streams  # CUDA side streams; None on CPU (Note [stream ordering])
         self._make_params(layout, flat_shard, requires_grad, device, streams)
         self.exposed = True  # between steps the modules hold the shard parameters
@@ -449,7 +451,9 @@ class ShardedUnit(Unit):
             # nothing to reduce: the gradients are the shards' (direct), or each is only
             # brought to the reduction dtype and then to the master's, as the rows would be
             self._predivided = False
-            if not self._direct:
+            if not self._direct and self._reduced_is_master:
+                grads = [g.to(self.reduce_dtype) for g in grads]
+            elif not self._direct:
                 grads = [self._to_master(g.to(self.reduce_dtype)) for g in grads]
                 if events.listeners:
                     numel = self.grad_layout.sizes[0]
