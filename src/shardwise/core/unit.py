@@ -339,17 +339,9 @@ class ShardedUnit(Unit):
 
     # --- forward/backward transitions
     def unshard(self) -> None:
-        """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING."""
-        if self.state is not UnitState.SHARDED:
-            return
-        if self._alias:
-            self.enter(UnitState.GATHERING)
-            return
-        if self._alone:
-            C.book_alone("all_gather", self.label, self.flat_shard.numel(), self.compute_dtype)
-            self.enter(UnitState.GATHERING)
-            if events.listeners:
-                events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
+        """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING.
+        A unit over one rank (``one_rank``) has nothing to issue: its wait gathers."""
+        if self.state is not UnitState.SHARDED or self.one_rank:
             return
         if self.bucket is not None:  # one gather for the bucket's members
             self.bucket.gather()
@@ -395,7 +387,13 @@ class ShardedUnit(Unit):
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
         if self.state is UnitState.SHARDED:
-            if self._alias:  # nothing to gather (one rank, no cast): the swap alone
+            if self._alone:  # one rank with a cast: the gather is one casting copy
+                C.book_alone("all_gather", self.label, self.flat_shard.numel(), self.compute_dtype)
+                if events.listeners:
+                    events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
+                self._allocate_full()
+                self._flat_full_data.copy_(self.flat_shard)
+            if self.one_rank:  # (without a cast the full parameters are views of the shard)
                 self._swap(self.full_params)
                 self.enter(UnitState.UNSHARDED)
                 if events.listeners:
@@ -410,9 +408,6 @@ class ShardedUnit(Unit):
                     self._gather.wait()
                 self._allocate_full()
                 self._unpack(self._gather.result if self.bucket is None else self.bucket.rows_of(self))
-            elif self._alone:
-                self._allocate_full()
-                self._flat_full_data.copy_(self.flat_shard)
             self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.enter(UnitState.UNSHARDED)
