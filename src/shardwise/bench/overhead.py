@@ -12,8 +12,9 @@ up; then they take their timed steps in turn, a step each, so that a disturbance
 machine falls on all of them alike, side by side in one run.
 
 Phases come from the same clock hooks on every system, registered around the system's own (a
-forward pre-hook prepended to the block's, one after its forward hooks, tensor hooks on its
-output before and after the system's, one on the input of its first layer): pre-forward is the
+forward pre-hook prepended to the block's, one after its forward hooks, a tensor hook on its
+output before the system's hooks and a pre-hook on the output's node after them (node pre-hooks
+run after tensor hooks), one on the input of its first layer): pre-forward is the
 block's pre-hooks up to its first layer, post-forward its last layer's end to its forward hooks'
 end, pre-backward the hooks that run on its output's gradient, post-backward what runs between
 its first layer's input gradient and the gradient of the block's own input (FSDP2's and
@@ -103,7 +104,7 @@ class PhaseClock:
         self.seconds["pre_forward"] += self.now() - self._mark
         x = args[0]
         if x.requires_grad and x is not self._input:  # the system put a function on the input
-            x.register_hook(self._start_post_backward)
+            x.register_hook(self._start_post_backward)  # (before its node's pre-hooks)
 
     def _body_end(self, module, args, out) -> None:
         if out.requires_grad:  # registered before the system's hooks on the output
@@ -112,14 +113,17 @@ class PhaseClock:
 
     def _post(self, module, args, out) -> None:
         self.seconds["post_forward"] += self.now() - self._mark
-        if out.requires_grad:  # after the system's
-            out.register_hook(self._end_pre_backward)
+        if out.requires_grad:  # after the system's: its tensor hooks, and pre-hooks on the node
+            if out.grad_fn is not None:
+                out.grad_fn.register_prehook(self._end_pre_backward)
+            else:
+                out.register_hook(self._end_pre_backward)
 
     def _start_pre_backward(self, grad) -> None:
         self._end_post_backward(grad)
         self._mark = self.now()
 
-    def _end_pre_backward(self, grad) -> None:
+    def _end_pre_backward(self, grad) -> None:  # (a gradient, or a node's tuple of them)
         self.seconds["pre_backward"] += self.now() - self._mark
 
     def _start_post_backward(self, grad) -> None:

@@ -63,6 +63,7 @@ _ring: deque[Record] = deque(maxlen=RING)
 _seq = 0
 _digest = 0
 _fingerprints: dict[tuple, int] = {}
+_dtype_names: dict = {}  # torch.float32 -> "float32"
 _incidents = 0
 _apart = 0  # depth of apart() blocks
 
@@ -84,7 +85,10 @@ def apart():
 def record(kind: str, label: str, numel: int, dtype) -> Record:
     """Note a collective about to be issued; returns its record (mark ``done`` at completion)."""
     global _seq, _digest
-    dtype = str(dtype).removeprefix("torch.")
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    dtype = name
     rec = Record(_seq, kind, label, numel, dtype)
     if _apart:
         return rec

@@ -145,11 +145,21 @@ def _check_not_compiled_autograd() -> None:
         )
 
 
+def _on_gradient(t: torch.Tensor, hook) -> None:
+    """Call ``hook`` when ``t``'s gradient is about to flow back: a pre-hook on the node that
+    made it (which runs when a hook on the tensor would, and costs less to register and call),
+    or a hook on the tensor where it is a leaf."""
+    if t.grad_fn is not None:
+        t.grad_fn.register_prehook(hook)
+    else:
+        t.register_hook(hook)
+
+
 def _post_backward_hook(runtime_ref: weakref.ref, unit_ref: weakref.ref):
     """The hook on views of a unit's inputs that runs once the unit's own backward is done:
     the views' gradients are complete when every use of them inside the unit has given its
-    part (Note [weak references from C++]). A view and a tensor hook cost less than an
-    autograd function on the inputs, which did the same."""
+    part (Note [weak references from C++]). A view and a pre-hook on its node cost less than
+    an autograd function on the inputs, which did the same."""
 
     def hook(_grads) -> None:
         runtime, unit = runtime_ref(), unit_ref()
@@ -208,9 +218,10 @@ class Runtime:
         self.next_forward: dict[Unit, Unit] = {}  # last iteration's successor of each unit
         self.next_backward: dict[Unit, Unit] = {}
         self.reducing: list[ShardedUnit] = []  # sharded units whose reductions are in flight
+        self.unfinished: set[Unit] = set()  # units whose reduction was issued and not finished
         self.ran_once: set[Unit] = set()
         self.peak_unsharded = 0  # most non-root units (a bucket counting once) unsharded or gathering at once
-        self._tracks_peak = any(u.reshard_after_forward for u in units if not u.is_root)
+        self._tracks_peak = any(u.reshard_after_forward and not u.one_rank for u in units if not u.is_root)
         self.occupancy = Occupancy()
         for u in units:
             if isinstance(u, ShardedUnit):
@@ -263,6 +274,7 @@ class Runtime:
             if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing)
                 unit.wait_unshard()
                 return None
+            cast = False  # (the root's floating-point inputs, cast to the compute dtype)
             if unit.is_root:
                 if torch.is_grad_enabled():
                     _check_not_compiled_autograd()
@@ -272,7 +284,8 @@ class Runtime:
                 if self.precision.param_dtype is not None:
                     args, kwargs = _cast_floats((args, kwargs), self.precision.param_dtype)
                     self._check_loss_scaling()
-            if unit.is_root:  # activations are few yet: the next gather goes out before the wait
+                    cast = True
+                # activations are few yet: the next gather goes out before the wait
                 unit.unshard()
                 self._prefetch(self.next_forward.get(unit))
             unit.wait_unshard()
@@ -280,7 +293,7 @@ class Runtime:
                 events.emit("forward", unit.label, edge="begin")
             self.forward_order.append(unit)
             nxt = self.next_forward.get(unit)
-            if nxt is not None and nxt.state is UnitState.SHARDED:
+            if nxt is not None and nxt.state is UnitState.SHARDED and not nxt.one_rank:
                 self._prefetch(nxt)
             if self._tracks_peak and self.occupancy.unsharded > self.peak_unsharded:
                 self.peak_unsharded = self.occupancy.unsharded
@@ -290,17 +303,24 @@ class Runtime:
                 # called again later would otherwise reduce after its last call's backward,
                 # before its first call's gradients are in: they were lost)
                 self.pending_backwards[unit] = self.pending_backwards.get(unit, 0) + 1
+                if len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:  # (the usual call)
+                    x = args[0]
+                    if not x.requires_grad:
+                        return (args, kwargs) if cast else None
+                    view = x.view_as(x)
+                    view.grad_fn.register_prehook(post_backward)
+                    return (view,), kwargs
                 plain = not kwargs and all(type(a) is torch.Tensor or type(a) is nn.Parameter for a in args)
                 flat = args if plain else flat_tensors((args, kwargs), [])
                 marked = [t.view_as(t) if t.requires_grad else t for t in flat]
                 views = [v for v, t in zip(marked, flat) if v is not t]
                 if len(views) == 1:  # (what register_multi_grad_hook does for one, without its wrapping)
-                    views[0].register_hook(post_backward)
+                    views[0].grad_fn.register_prehook(post_backward)
                 elif views:
                     register_multi_grad_hook(views, post_backward, mode="all")
                 if views:
                     return (tuple(marked), kwargs) if plain else _replace_tensors((args, kwargs), iter(marked))
-            return args, kwargs
+            return (args, kwargs) if cast else None
 
         return hook
 
@@ -322,7 +342,7 @@ class Runtime:
             if grad:
                 outs = [t for t in ((output,) if type(output) is torch.Tensor else flat_tensors(output, [])) if t.requires_grad]
                 if len(outs) == 1:  # (what register_multi_grad_hook does for one, without its wrapping)
-                    outs[0].register_hook(pre_backward)
+                    _on_gradient(outs[0], pre_backward)
                 elif outs:
                     register_multi_grad_hook(outs, pre_backward, mode="any")
             if unit.is_root:
@@ -350,7 +370,7 @@ class Runtime:
         one gather in flight at a time. A plan may mix both (``UnitConfig``). A bucket of
         units counts as one unit (``Occupancy``): its one gather holds all its members.
         """
-        if nxt is None or nxt.state is not UnitState.SHARDED:
+        if nxt is None or nxt.state is not UnitState.SHARDED or nxt.one_rank:
             return
         if nxt.reshard_after_forward:
             if self.occupancy.unsharded >= self.max_unsharded:
@@ -373,7 +393,7 @@ class Runtime:
             fwd = _dedup(self.forward_order)
             self.next_backward = _successors([u for u in fwd if u.is_root] + [u for u in fwd[::-1] if not u.is_root])
         nxt = self.next_backward.get(unit)
-        if nxt is not None and nxt.state is UnitState.SHARDED:
+        if nxt is not None and nxt.state is UnitState.SHARDED and not nxt.one_rank:
             self._prefetch(nxt)
         if self._tracks_peak and self.occupancy.unsharded > self.peak_unsharded:
             self.peak_unsharded = self.occupancy.unsharded
@@ -413,6 +433,7 @@ class Runtime:
             if ready_only and u.grads_ready < u.num_trainable:
                 return
             u.reduce_grads()
+            self.unfinished.add(u)
             self.next_in_order += 1
 
     def reduce(self, unit: ShardedUnit) -> None:
@@ -427,10 +448,13 @@ class Runtime:
         for u in self.reducing:
             u.advance_reduce()
         while len(self.reducing) > self._all_reduces_after_scatter:
-            self.reducing.pop(0).finish_reduce()
+            done = self.reducing.pop(0)
+            done.finish_reduce()
+            self.unfinished.discard(done)
         if not unit.is_root:
             unit.reshard()
         unit.reduce_grads()
+        self.unfinished.add(unit)
         if not unit.awaiting_bucket:  # (else its bucket's last member issues the reduction)
             self.reducing.append(unit)
 
@@ -442,8 +466,8 @@ class Runtime:
         left = self.pending_backwards.get(unit, 1) - 1
         self.pending_backwards[unit] = left
         if left == 0 and self.sync_grads and isinstance(unit, ShardedUnit) and not unit.reduce_issued:
-            self.reduce(unit)
-        if not unit.is_root:
+            self.reduce(unit)  # (which reshards it)
+        elif not unit.is_root:
             unit.reshard()
 
     def _final_callback(self) -> None:
@@ -458,10 +482,12 @@ class Runtime:
                 for u in b.unpacked():
                     self.reduce(u)
             self.agreeing = self._agree_used()  # issued now, read after the last reductions' waits
-            for u in self.units:  # every all-reduce across replicas in flight before any wait
+            unfinished = [u for u in self.units if u in self.unfinished]
+            for u in unfinished:  # every all-reduce across replicas in flight before any wait
                 u.advance_reduce()
-            for u in self.units:
+            for u in unfinished:
                 u.finish_reduce()
+            self.unfinished = set()
             agreed, self.agreeing = self.agreeing(), None
             self._keep_used(agreed)
             self.ran_since_sync = set()
@@ -526,6 +552,7 @@ class Runtime:
             agreeing, self.agreeing = self.agreeing, None
             agreeing()
         self.reducing = []
+        self.unfinished = set()
         self.next_in_order = 0
         self.pending_backwards = {}
         self.ran_since_sync = set()

@@ -124,6 +124,7 @@ class Unit:
 
     state: UnitState
     reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
+    one_rank = False  # a sharded unit over one rank that gathers itself at its wait (never prefetched)
 
     def __init__(
         self, module: nn.Module, name: str, registrations: list[Registration], group, replica_groups: ReplicaGroups | None
@@ -241,6 +242,8 @@ class ShardedUnit(Unit):
         # the gather reads the flat shard directly unless it must first move or change dtype
         # (offloaded: always a copy, even where host and device are the same memory)
         self._direct = not offload and self.compute_dtype == flat_shard.dtype
+        # a gradient in the reduction dtype is in the master's dtype and memory already
+        self._reduced_is_master = not offload and self.reduce_dtype == flat_shard.dtype
         self.streams = streams  # CUDA side streams; None on CPU (Note [stream ordering])
         self._make_params(layout, flat_shard, requires_grad, device, streams)
         self.exposed = True  # between steps the modules hold the shard parameters
@@ -275,6 +278,9 @@ class ShardedUnit(Unit):
         # one rank with a cast or an offload: the flat shard is laid out as the full buffer,
         # so the gather is one copy (casting) into it at the wait, with no collective to issue
         self._alone = self.world == 1 and not self._direct and streams is None
+        # either way the unit's own wait does the whole gather on this thread: prefetching it
+        # would only move that work, so it is neither prefetched nor counted (``Occupancy``)
+        self.one_rank = self._alias or self._alone
         self.flat_full = (
             flat_shard
             if self._alias
@@ -307,7 +313,10 @@ class ShardedUnit(Unit):
         self.state = new
 
     def count_in(self, occupancy: Occupancy) -> None:
-        """Keep ``occupancy`` up to date with this unit's state from now on."""
+        """Keep ``occupancy`` up to date with this unit's state from now on (not a unit over
+        one rank: ``one_rank``)."""
+        if self.one_rank:
+            return
         self._counted = self.reshard_after_forward and not self.is_root
         state, self.state = self.state, UnitState.SHARDED
         self.occupancy = occupancy
@@ -330,17 +339,9 @@ class ShardedUnit(Unit):
 
     # --- forward/backward transitions
     def unshard(self) -> None:
-        """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING."""
-        if self.state is not UnitState.SHARDED:
-            return
-        if self._alias:
-            self.enter(UnitState.GATHERING)
-            return
-        if self._alone:
-            C.book_alone("all_gather", self.label, self.flat_shard.numel(), self.compute_dtype)
-            self.enter(UnitState.GATHERING)
-            if events.listeners:
-                events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
+        """Issue the all-gather of this unit's parameters (no wait): SHARDED -> GATHERING.
+        A unit over one rank (``one_rank``) has nothing to issue: its wait gathers."""
+        if self.state is not UnitState.SHARDED or self.one_rank:
             return
         if self.bucket is not None:  # one gather for the bucket's members
             self.bucket.gather()
@@ -386,7 +387,13 @@ class ShardedUnit(Unit):
     def wait_unshard(self) -> None:
         """Finish the gather and point the module at the full parameters: -> UNSHARDED."""
         if self.state is UnitState.SHARDED:
-            if self._alias:  # nothing to gather (one rank, no cast): the swap alone
+            if self._alone:  # one rank with a cast: the gather is one casting copy
+                C.book_alone("all_gather", self.label, self.flat_shard.numel(), self.compute_dtype)
+                if events.listeners:
+                    events.emit("gather_issue", self.label, bytes=self.flat_full.numel() * self.flat_full.element_size())
+                self._allocate_full()
+                self._flat_full_data.copy_(self.flat_shard)
+            if self.one_rank:  # (without a cast the full parameters are views of the shard)
                 self._swap(self.full_params)
                 self.enter(UnitState.UNSHARDED)
                 if events.listeners:
@@ -401,9 +408,6 @@ class ShardedUnit(Unit):
                     self._gather.wait()
                 self._allocate_full()
                 self._unpack(self._gather.result if self.bucket is None else self.bucket.rows_of(self))
-            elif self._alone:
-                self._allocate_full()
-                self._flat_full_data.copy_(self.flat_shard)
             self._send = self._gather = self._gathered = None  # (rule 3: after the copy-out)
             self._swap(self.full_params)
             self.enter(UnitState.UNSHARDED)
@@ -442,7 +446,9 @@ class ShardedUnit(Unit):
             # nothing to reduce: the gradients are the shards' (direct), or each is only
             # brought to the reduction dtype and then to the master's, as the rows would be
             self._predivided = False
-            if not self._direct:
+            if not self._direct and self._reduced_is_master:
+                grads = [g.to(self.reduce_dtype) for g in grads]
+            elif not self._direct:
                 grads = [self._to_master(g.to(self.reduce_dtype)) for g in grads]
                 if events.listeners:
                     numel = self.grad_layout.sizes[0]
@@ -743,11 +749,12 @@ class ReplicatedUnit(Unit):
                 c.grad = view
             self._bucket = self._flat_grad
         elif self.world == 1 and self.replica_groups is None:
-            # nothing to reduce: each gradient is only brought to the reduction dtype, as its
-            # piece of the bucket would be (no concatenation and split per step)
+            # nothing to reduce: each gradient is only brought to the reduction dtype and then
+            # the parameter's, as its piece of the bucket would be (no concatenation and split
+            # per step)
             self._pieces = [
-                c.grad.to(self.reduce_dtype) if c.grad is not None else torch.zeros_like(c, dtype=self.reduce_dtype)
-                for c in compute
+                (c.grad.to(self.reduce_dtype) if c.grad is not None else torch.zeros_like(c, dtype=self.reduce_dtype)).to(p.dtype)
+                for c, p in zip(compute, self._grad_holders())
             ]
         else:
             self._bucket = torch.cat([
@@ -759,7 +766,7 @@ class ReplicatedUnit(Unit):
         if self._pieces is not None:
             self.reduce_issued = True
             if events.listeners:
-                events.emit("reduce_issue", self.label, bytes=sum(g.numel() for g in self._pieces) * self.reduce_dtype.itemsize)
+                events.emit("reduce_issue", self.label, bytes=sum(self._numels) * self.reduce_dtype.itemsize)
             return
         if self.world > 1:
             self._reduce = C.all_reduce(  # see Runtime.reduce
@@ -782,8 +789,9 @@ class ReplicatedUnit(Unit):
             self._replica_groups_reduce = C.replica_groups_all_reduce(self._bucket, self.replica_groups, self.label)
 
     def finish_reduce(self) -> None:
-        if self._pieces is not None:
+        if self._pieces is not None:  # (in the parameters' dtype already)
             pieces, self._pieces = self._pieces, None
+            params = self._grad_holders()
         elif self._bucket is None:
             return
         else:
@@ -798,11 +806,10 @@ class ReplicatedUnit(Unit):
                 if events.listeners:
                     events.emit("reduce_done", self.label)
                 return
-            pieces = self._bucket.split(self._numels)
-        params = self._grad_holders()
+            params = self._grad_holders()
+            pieces = [b.view_as(p).to(p.dtype) for b, p in zip(self._bucket.split(self._numels), params)]
         self._fresh = [p.grad is None for p in params]
         for p, b in zip(params, pieces):
-            b = b.view_as(p).to(p.dtype)
             if p.grad is None:
                 p.grad = b
             elif self.casts:  # the compute copies' gradients add to the parameters' own
