@@ -175,9 +175,12 @@ class Torchft(Steps):
             raise ShardwiseError(again)
 
     def shutdown(self) -> None:
-        """Leave the quorum and stop this rank's servers (call at the end of training)."""
+        """Leave the quorum, stop this rank's servers and end its process group across groups
+        (call at the end of training): that group's Gloo threads are joined now, not during
+        interpreter shutdown, where one can abort the process (Note [exit] in core/groups.py)."""
         if self._manager is not None:
             self._manager.shutdown(wait=False)
+            self._manager._pg.shutdown()  # (torchft's wrapper drops its backend group)
             self._manager = None
 
     # --- replica_groups.ReplicaGroups: what shard() and the units call
