@@ -219,6 +219,24 @@ def test_unit_reshards_before_its_reduction(pools, strategy):
     assert diff <= 1e-6  # one step agrees with the unsharded model
 
 
+def reduction_events(precision):
+    """Each unit's reduce_issue and reduce_done events of one backward (one rank: the local path)."""
+    torch.manual_seed(0)
+    model = shardwise.shard(make("mlp"), wrap=wrap_policy("by_class", "mlp"), mixed_precision=precision)
+    x, y = batch("mlp", 0, 4)
+    return _events_of(lambda: loss_of(model, x, y).backward(), lambda name, edge: name in ("reduce_issue", "reduce_done"))
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_every_reduction_done_was_issued_at_one_rank(pools, precision):
+    """The trace pairs a unit's reduce_done with its reduce_issue: with a cast at N=1 (no
+    collective, a local cast) too; without one there is nothing to reduce and neither comes."""
+    events = pools(1).run(reduction_events, precision)[0]
+    issued = sorted(u for name, u in events if name == "reduce_issue")
+    done = sorted(u for name, u in events if name == "reduce_done")
+    assert issued == done and (len(done) > 1 if precision else not done), events
+
+
 # --- gradients kept between steps (zero_grad(set_to_none=False)) accumulate and reduce right
 def kept_gradients(strategy, steps=3, k=2):
     ref = make("tied")

@@ -446,10 +446,10 @@ class ShardedUnit(Unit):
             # nothing to reduce: the gradients are the shards' (direct), or each is only
             # brought to the reduction dtype and then to the master's, as the rows would be
             self._predivided = False
-            if not self._direct and self._reduced_is_master:
+            if not self._direct:
                 grads = [g.to(self.reduce_dtype) for g in grads]
-            elif not self._direct:
-                grads = [self._to_master(g.to(self.reduce_dtype)) for g in grads]
+                if not self._reduced_is_master:
+                    grads = [self._to_master(g) for g in grads]
                 if events.listeners:
                     numel = self.grad_layout.sizes[0]
                     events.emit("reduce_issue", self.label, bytes=numel * self.reduce_dtype.itemsize)
