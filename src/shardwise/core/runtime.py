@@ -297,7 +297,10 @@ class Runtime:
                 self._prefetch(nxt)
             if self._tracks_peak and self.occupancy.unsharded > self.peak_unsharded:
                 self.peak_unsharded = self.occupancy.unsharded
-            if torch.is_grad_enabled():
+            # a unit computing on its shard parameters has nothing to do when its backward
+            # ends (its gradients land where one process's would): that end is marked only
+            # to show it
+            if torch.is_grad_enabled() and (not unit.shared or events.listeners):
                 # every call counts; one whose inputs need no gradient has no end of backward
                 # that could be seen, so its unit reduces at the end of backward (a unit
                 # called again later would otherwise reduce after its last call's backward,

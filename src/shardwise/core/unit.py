@@ -125,6 +125,7 @@ class Unit:
     state: UnitState
     reshard_after_forward = False  # whole parameters stay put (a replicated unit has no others)
     one_rank = False  # a sharded unit over one rank that gathers itself at its wait (never prefetched)
+    shared = False  # a one-rank unit whose module computes on the shard parameters (ShardedUnit)
 
     def __init__(
         self, module: nn.Module, name: str, registrations: list[Registration], group, replica_groups: ReplicaGroups | None
@@ -288,7 +289,10 @@ class ShardedUnit(Unit):
         )
         self._flat_full_data = self.flat_full.data  # see Note [version counters]
         self._unpack = layout.unpacker(self._flat_full_data)
-        self.full_params = [
+        # one rank, no cast, every shard shaped as its parameter: the module computes on the
+        # shard parameters themselves, whose gradients need no move (as in one process)
+        self.shared = self._alias and all(s.shape == slot.shape for s, slot in zip(self.shard_params, layout.slots))
+        self.full_params = self.shard_params if self.shared else [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
         ]
@@ -432,6 +436,11 @@ class ShardedUnit(Unit):
         cannot overflow; otherwise after it, which keeps fp32 results identical to one process.
         """
         if self.reduce_issued or self.num_trainable == 0:
+            self.reduce_issued = True
+            return
+        if self.shared:  # the gradients are on the shard parameters already
+            self.used = [p.grad is not None for p in self._trainable_full]
+            self._local_grads = self._reduce_out = self._reduce = None
             self.reduce_issued = True
             return
         grads = []
@@ -582,8 +591,9 @@ class ShardedUnit(Unit):
         self.awaiting_bucket = False
         if self.bucket is not None:
             self.bucket.reset()
-        for p in self.full_params:
-            p.grad = None
+        if not self.shared:  # (else they are the shards': the caller's to zero, as in one process)
+            for p in self.full_params:
+                p.grad = None
         if self.state is not UnitState.SHARDED:
             self._swap(self.shard_params if self.exposed else self.not_gathered)
             self._free_full()
