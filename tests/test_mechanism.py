@@ -237,6 +237,43 @@ def test_every_reduction_done_was_issued_at_one_rank(pools, precision):
     assert issued == done and (len(done) > 1 if precision else not done), events
 
 
+
+def one_rank_forward(strategy):
+    """At N=1 without a cast: whether each Linear computed on the optimizer's own parameters,
+    a step's result against the unsharded model's, and the backward ends a listener sees."""
+    torch.manual_seed(0)
+    ref = make("tied")
+    model = shardwise.shard(copy.deepcopy(ref), wrap=wrap_policy("by_class", "tied"), strategy=strategy)
+    stepped = {id(p) for p in model.parameters()}
+    own = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, a, o: own.append(all(id(p) in stepped for p in mod.parameters(recurse=False))))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    for step in range(2):
+        x, y = batch("tied", step, 4)
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    x, y = batch("tied", 2, 4)
+    ends = _events_of(lambda: loss_of(model, x, y).backward(), lambda name, edge: name == "backward" and edge == "end")
+    return own, _state_diff(model, ref), sorted(u for _, u in ends)
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_one_rank_units_compute_on_the_shard_parameters(pools, strategy):
+    """At N=1 without a cast a unit's shard is its whole parameter: the module computes on the
+    shard parameters the optimizer steps (no gradient moved), the steps are the unsharded
+    model's to the bit, and a listener still sees every unit's backward end."""
+    own, diff, ends = pools(1).run(one_rank_forward, strategy)[0]
+    assert own and all(own), own
+    assert diff == 0.0
+    assert ends == ["blocks.0", "blocks.1", "blocks.2"], ends  # (the root's input, tokens, needs no gradient)
+
+
 # --- gradients kept between steps (zero_grad(set_to_none=False)) accumulate and reduce right
 def kept_gradients(strategy, steps=3, k=2):
     ref = make("tied")

@@ -289,9 +289,13 @@ class ShardedUnit(Unit):
         )
         self._flat_full_data = self.flat_full.data  # see Note [version counters]
         self._unpack = layout.unpacker(self._flat_full_data)
-        # one rank, no cast, every shard shaped as its parameter: the module computes on the
-        # shard parameters themselves, whose gradients need no move (as in one process)
-        self.shared = self._alias and all(s.shape == slot.shape for s, slot in zip(self.shard_params, layout.slots))
+        # one rank, nothing to reduce (no replicas), no cast, every shard shaped as its
+        # parameter: the module computes on the shard parameters themselves, whose gradients
+        # need no move (as in one process)
+        self.shared = (
+            self._alias and self.replicate_size == 1 and self.replica_groups is None
+            and all(s.shape == slot.shape for s, slot in zip(self.shard_params, layout.slots))
+        )
         self.full_params = self.shard_params if self.shared else [
             nn.Parameter(v, requires_grad=rg)
             for v, rg in zip(layout.unsharded_views(self.flat_full), requires_grad)
