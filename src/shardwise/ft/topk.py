@@ -11,8 +11,9 @@ K is 3/8 of a chunk: fewer lets the global model lag the groups' (a value waits 
 its turn) by more than exact hybrid sharding's loss allows (docs/fault_tolerance.md, "Loss
 at equal tokens"). The top-k is the message's rather than each chunk's so that the values
 that lag most go first wherever they are (a chunk of small values waits rather than send
-3/8 of them): at the same bytes, the loss at the end went from 1.015x and 1.031x exact
-hybrid's (seeds 0 and 1, the top-k of each chunk) to 1.013x and 1.019x. The two magnitudes
+3/8 of them): at the same bytes, the loss at the end went from 1.015x, 1.031x, 1.037x and
+1.029x exact hybrid's (seeds 0 to 3, the top-k of each chunk) to 1.013x, 1.019x, 1.026x and
+1.026x (int8: 1.002x to 1.014x). The two magnitudes
 are Lloyd's: the split between the groups moved to the midpoint of their means, a few
 times (less error than the median split). At that density the places are cheapest as a
 bitmap of the chunk (one bit a value) rather than as indices (16 bits each): a chunk costs
@@ -74,7 +75,7 @@ class TopK2Bit:
 
 def _largest(mag: torch.Tensor, k: int) -> torch.Tensor:
     """The mask of ``k`` of the largest ``mag`` (of ties at the k-th, the first in place order):
-    a selection, not a sort (``topk`` and sorting its indices took twice as long)."""
+    a selection, not a sort (``topk`` and sorting its indices were several times slower)."""
     kth = mag.kthvalue(mag.numel() - k + 1).values
     above = mag > kth
     ties = mag == kth
