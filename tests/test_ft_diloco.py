@@ -297,9 +297,9 @@ class _InFlight:
 def test_error_feedback_sends_what_a_message_drops_later(comm):
     """DiLoCo's own exchange (``_exchange_encoded``) of one pseudo-gradient, round after
     round: the mean of what arrived tends to it (the residual stays bounded), while one
-    message alone is off by far more (norms over the pseudo-gradient's: top-k's 512 values
-    at each of its two magnitudes pay a value far from their mean back slowly, so the
-    largest value's error falls far slower than the whole's)."""
+    message alone is off by far more (norms over the pseudo-gradient's: the hundreds of top-k
+    values at each of a chunk's two magnitudes pay a value far from their mean back slowly,
+    so the largest value's error falls far slower than the whole's)."""
     from shardwise.ft.feedback import Feedback, codec_of
 
     torch.manual_seed(0)
@@ -384,24 +384,33 @@ def test_an_outer_state_saved_without_global_parameters_takes_the_parameters():
     assert torch.equal(d._globals(d.params)[0], torch.arange(3.0))
 
 
-def test_topk_message_keeps_the_largest_of_each_chunk_with_sign_and_two_magnitudes():
+def test_topk_message_keeps_the_largest_of_the_message_with_sign_and_two_magnitudes_a_chunk():
     from shardwise.ft.topk import CHUNK, K, TopK2Bit
 
     codec = TopK2Bit()
-    x = torch.randn(2 * CHUNK - 1000)  # (the last chunk padded)
+    torch.manual_seed(0)
+    # (the last chunk padded; the first chunk's values larger, so it sends more than K of them)
+    x = torch.cat([4 * torch.randn(CHUNK), torch.randn(CHUNK - 1000)]) * torch.rand(2 * CHUNK - 1000)
     message = codec.encode(x)
     assert message.dtype == torch.uint8 and message.numel() == codec.nbytes(x.numel()) == 2 * (8 + CHUNK // 8 + K // 4)
     y = codec.decode(message, x.numel())
+    kept = y != 0
+    assert kept.sum() == 2 * K and torch.equal(kept, x.abs() >= x.abs().topk(2 * K).values[-1])
+    assert kept[:CHUNK].sum() > K  # (the top-k is the message's, not each chunk's)
+    assert torch.equal(y[kept].sign(), x[kept].sign())
     for chunk in (slice(0, CHUNK), slice(CHUNK, None)):
-        xs, ys = x[chunk], y[chunk]
-        kept = ys != 0
-        assert kept.sum() == K and torch.equal(kept, xs.abs() >= xs.abs().topk(K).values[-1])
-        assert torch.equal(ys[kept].sign(), xs[kept].sign())
-        mags = xs[kept].abs()
-        high = mags >= mags.median()
-        for part in (high, ~high):  # each half of the K sent as its mean magnitude
-            assert torch.allclose(ys[kept][part].abs(), mags[part].mean().expand(int(part.sum())))
+        xs, ys = x[chunk][kept[chunk]].abs(), y[chunk][kept[chunk]].abs()
+        low, high = ys.min(), ys.max()
+        assert low < high and torch.equal(ys == high, xs >= xs[ys == high].min())  # (two groups, split by magnitude)
+        for part in (ys == high, ys == low):  # each group sent as its mean magnitude
+            assert torch.allclose(ys[part], xs[part].mean().expand(int(part.sum())))
+        # Lloyd's split: no more error than the median's (the former split)
+        median = xs >= xs.median()
+        by_median = torch.where(median, xs[median].mean(), xs[~median].mean())
+        assert (ys - xs).norm() <= (by_median - xs).norm(), ((ys - xs).norm(), (by_median - xs).norm())
     assert CHUNK * 4 / codec.nbytes(CHUNK) > 18  # (fp32 bytes over the message's, a whole chunk)
+    small = torch.randn(100)  # (fewer values than K: all sent)
+    assert torch.equal(codec.decode(codec.encode(small), 100).sign(), small.sign())
 
 
 def reference(
