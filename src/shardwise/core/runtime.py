@@ -119,8 +119,9 @@ def _in_backward() -> bool:
 # ``reset`` then clears the step. It *waits* for the collectives in flight rather than
 # dropping them (every rank issued them alike, and unread Gloo messages would meet the next
 # step's of the same tag), discards their results and the gradients not yet on the shards
-# (no_sync's accumulation included, as the caller's zero_grad discards those on the shards),
-# and reshards every unit: the next step runs as if the failed one had not started. The step
+# (no_sync's accumulation included, as the caller's zero_grad discards those on the shards;
+# a unit that computes on its shard parameters, ``shared``, has none: as in one process, the
+# failed step's are on the shards already), and reshards every unit: the next step runs as if the failed one had not started. The step
 # check's digest keeps the failed step's collectives: every rank issued the same ones, so the
 # digests still agree; a rank that failed alone waits in a collective its peers never issue,
 # or they in one it never issues, and each ends with a CollectiveError.
