@@ -123,8 +123,9 @@ def _in_backward() -> bool:
 # a unit that computes on its shard parameters, ``shared``, has none: as in one process, the
 # failed step's are on the shards already), and reshards every unit: the next step runs as
 # if the failed one had not started. The step check's digest keeps the failed step's
-# collectives: every rank issued the same ones, so the digests still agree; a rank that failed alone waits in a collective its peers never issue,
-# or they in one it never issues, and each ends with a CollectiveError.
+# collectives: every rank issued the same ones, so the digests still agree; a rank that
+# failed alone waits in a collective its peers never issue, or they in one it never issues,
+# and each ends with a CollectiveError.
 # A loss that raises outside the model, after a forward that completed, cannot be told from a
 # forward whose backward comes later (two forwards, one loss): nothing is reset. Its state is
 # harmless (units are gathered again or resharded as usual, the stale count only defers
