@@ -83,6 +83,24 @@ def test_phase_clock_charges_nothing_to_a_plain_module():
     assert phases.seconds["post_backward"] == 0.0  # no function on the inputs: never started
 
 
+def test_phase_clock_off_neither_charges_nor_hooks_tensors():
+    clock = Clock()
+    blocks = [overhead.Block(8) for _ in range(3)]
+    for b in blocks:
+        _slow_system(b, clock)
+    phases = overhead.PhaseClock(blocks, clock)
+    phases.enabled = False  # the step's own time: no hook on any tensor or node
+    registered = []
+    real = torch.Tensor.register_hook
+    torch.Tensor.register_hook = lambda t, h: registered.append(h) or real(t, h)
+    try:
+        _run(blocks)
+    finally:
+        torch.Tensor.register_hook = real
+    assert all(s == 0.0 for s in phases.seconds.values()), phases.seconds
+    assert not [h for h in registered if getattr(h, "__self__", None) is phases]
+
+
 def test_overhead_bench_runs_every_system(pools, tmp_path):
     cfg = overhead.OverheadConfig(units=(2, 4), steps=2, warmup=1, out=str(tmp_path))
     raw = pools(2).run(overhead.run_rank, cfg)[0]

@@ -20,8 +20,9 @@ end, pre-backward the hooks that run on its output's gradient, post-backward wha
 its first layer's input gradient and the gradient of the block's own input (FSDP2's and
 shardwise's identity functions on the inputs), optimizer ``step()`` + ``zero_grad()``. The
 hooks cost the same in the plain module, so every figure is the system's minus the plain
-module's, divided by the number of units; "step" is the whole step's. Figures are rank 0's,
-medians over the timed steps. Results: a table on stdout, ``overhead.json``, ``overhead.md``
+module's, divided by the number of units. "step" is the whole step's, timed in a step of its
+own with the clock off (the hook on the input's function is a cost the plain module and DDP
+would not share). Figures are rank 0's, medians over the timed steps. Results: a table on stdout, ``overhead.json``, ``overhead.md``
 and ``overhead.png`` (step time against units; matplotlib, from the tools extra) in ``--out``.
 """
 
@@ -81,6 +82,7 @@ class PhaseClock:
 
     def __init__(self, blocks: list[Block], clock: Callable[[], float] = time.perf_counter):
         self.now = clock
+        self.enabled = True  # off: every hook returns at once (the step's own time)
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self._mark = 0.0
         self._input: torch.Tensor | None = None
@@ -95,23 +97,31 @@ class PhaseClock:
         self.seconds = dict.fromkeys(PHASES, 0.0)
 
     def _pre(self, module, args) -> None:
+        if not self.enabled:
+            return
         self._input = args[0]
         if args[0].requires_grad:  # the first hook on a block's input gradient ends a post-backward
             args[0].register_hook(self._end_post_backward)
         self._mark = self.now()
 
     def _body_start(self, module, args) -> None:
+        if not self.enabled:
+            return
         self.seconds["pre_forward"] += self.now() - self._mark
         x = args[0]
         if x.requires_grad and x is not self._input:  # the system put a function on the input
             x.register_hook(self._start_post_backward)  # (before its node's pre-hooks)
 
     def _body_end(self, module, args, out) -> None:
+        if not self.enabled:
+            return
         if out.requires_grad:  # registered before the system's hooks on the output
             out.register_hook(self._start_pre_backward)
         self._mark = self.now()
 
     def _post(self, module, args, out) -> None:
+        if not self.enabled:
+            return
         self.seconds["post_forward"] += self.now() - self._mark
         if out.requires_grad:  # after the system's: its tensor hooks, and pre-hooks on the node
             if out.grad_fn is not None:
@@ -165,7 +175,10 @@ def build(system: str, cfg: OverheadConfig, units: int, device: torch.device, me
 def compare(cfg: OverheadConfig, units: int, device: torch.device, mesh) -> dict[str, dict]:
     """Build every system of ``units`` blocks, warm each up, then take their timed steps in
     turn (a step of each, then the next): on a shared machine, a disturbance falls on all of
-    them alike. Each system's medians (seconds)."""
+    them alike. Each timed step is taken twice, clock off for the step's time and clock on for
+    its phases: the clock's hooks on a system's input function would otherwise weigh on the
+    steps of the systems that make one (FSDP2, shardwise) and not on the others'. Each
+    system's medians (seconds)."""
     built = {s: build(s, cfg, units, device, mesh) for s in SYSTEMS}
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
@@ -174,10 +187,12 @@ def compare(cfg: OverheadConfig, units: int, device: torch.device, mesh) -> dict
     for i, x in enumerate(rows):
         x = x[rank * cfg.batch_size : (rank + 1) * cfg.batch_size].to(device)
         for system, (model, opt, clock, autocast) in built.items():
-            times = _step(model, opt, clock, autocast, x.clone().requires_grad_(True), device)
-            if i >= cfg.warmup:
-                for k, v in times.items():
-                    samples[system][k].append(v)
+            for timing_phases in (False, True):
+                clock.enabled = timing_phases
+                times = _step(model, opt, clock, autocast, x.clone().requires_grad_(True), device)
+                if i >= cfg.warmup:
+                    for k in PHASES if timing_phases else ("step",):
+                        samples[system][k].append(times[k])
     del built
     gc.collect()
     return {s: {k: statistics.median(v) for k, v in kept.items()} for s, kept in samples.items()}
