@@ -260,6 +260,7 @@ class ShardedUnit(Unit):
         self._reduce_out: torch.Tensor | None = None
         self._reduce_rows: C.ScatterRows | None = None  # CUDA: held until compute waits (rule 3)
         self._reduced = None  # CUDA: the event after the reduction, on the reduce stream
+        self._local_grads: list[torch.Tensor] | None = None
         self.bucket = None  # the buckets.Bucket whose collectives carry this unit's, if any
         self.awaiting_bucket = False  # gradients packed into the bucket, its reduction not issued
         self._swap(self.shard_params)
@@ -443,11 +444,8 @@ class ShardedUnit(Unit):
             return
         if self.shared:  # the gradients are on the shard parameters already
             self.used = [p.grad is not None for p in self._trainable_full]
-            self._reduce_out = self._reduce = None
+            self._local_grads = self._reduce_out = self._reduce = None
             self.reduce_issued = True
-            return
-        if self.world * self.replicate_size == 1 and self.replica_groups is None and (self._direct or self.streams is None):
-            self._land_alone()
             return
         grads = []
         for j, p in enumerate(self._trainable_full):
@@ -457,6 +455,21 @@ class ShardedUnit(Unit):
                 self.used[j] = True
                 grads.append(p.grad)
                 p.grad = None
+        if self.world * self.replicate_size == 1 and self.replica_groups is None and (self._direct or self.streams is None):
+            # nothing to reduce: the gradients are the shards' (direct), or each is only
+            # brought to the reduction dtype and then to the master's, as the rows would be
+            self._predivided = False
+            if not self._direct:
+                grads = [g.to(self.reduce_dtype) for g in grads]
+                if not self._reduced_is_master:
+                    grads = [self._to_master(g) for g in grads]
+                if events.listeners:
+                    numel = self.grad_layout.sizes[0]
+                    events.emit("reduce_issue", self.label, bytes=numel * self.reduce_dtype.itemsize)
+            self._local_grads = grads
+            self._reduce_out = self._reduce = None
+            self.reduce_issued = True
+            return
         if self.bucket is not None:
             self.reduce_issued = self.awaiting_bucket = True
             self.bucket.pack(self, grads)
@@ -478,35 +491,6 @@ class ShardedUnit(Unit):
         self.reduce_issued = True
         if events.listeners:
             events.emit("reduce_issue", self.label, bytes=self.world * buf.out.numel() * buf.out.element_size())
-
-    def _land_alone(self) -> None:
-        """Nothing to reduce (one rank, no replicas): each gradient is brought to the reduction
-        dtype and then to the master's, as its row would be, and lands on its shard parameter
-        at once; one that got none leaves the shard's ``.grad`` as it was."""
-        self._predivided = False
-        shards = self._grad_holders()
-        self._fresh = [p.grad is None for p in shards]
-        for j, (p, full) in enumerate(zip(shards, self._trainable_full)):
-            g = full.grad
-            if g is None:
-                continue
-            self.used[j] = True  # (no_sync's micro-batches included)
-            full.grad = None
-            if not self._direct:
-                g = g.to(self.reduce_dtype)
-                if not self._reduced_is_master:
-                    g = self._to_master(g)
-            if g.shape != p.shape:  # (a 0-dim parameter's shard has one row)
-                g = g.view(p.shape)
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
-        self._reduce_out = self._reduce = None
-        self.reduce_issued = True
-        if events.listeners and not self._direct:
-            events.emit("reduce_issue", self.label, bytes=self.grad_layout.sizes[0] * self.reduce_dtype.itemsize)
-            events.emit("reduce_done", self.label)
 
     def take_reduction(self, pending: C.Pending, out: torch.Tensor, stages: list) -> None:
         """This unit's part of its bucket's reduce-scatter, issued: ``out`` will hold its summed
@@ -557,6 +541,19 @@ class ShardedUnit(Unit):
         """Wait for the reduction, average, and leave ``.grad`` on the shard parameters (in the
         shards' dtype, in host memory when offloaded)."""
         shards = self._grad_holders()
+        if self._local_grads is not None:
+            self._fresh = [p.grad is None for p in shards]
+            for p, g in zip(shards, self._local_grads):
+                if g.shape != p.shape:  # (a 0-dim parameter's shard has one row)
+                    g = g.view(p.shape)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+            self._local_grads = None
+            if events.listeners and not self._direct:
+                events.emit("reduce_done", self.label)
+            return
         if self.awaiting_bucket:
             raise ShardwiseError(f"unit '{self.label}' finished a reduction its bucket has not issued")
         if self._reduce_out is None:
@@ -592,7 +589,7 @@ class ShardedUnit(Unit):
                 pending.wait()
         if self._reduced is not None:
             self.streams.compute().wait_event(self._reduced)
-        self._send = self._gather = self._gathered = None
+        self._send = self._gather = self._gathered = self._local_grads = None
         self._reduce = self._replicate_reduce = self._reduce_out = self._reduce_rows = self._reduced = None
         self._stages = []
         self.awaiting_bucket = False

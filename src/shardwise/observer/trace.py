@@ -134,6 +134,8 @@ class _Known:
                 _add(out, "gradients", u._reduce_out)
                 for row in u._reduce_rows.rows if u._reduce_rows is not None else ():  # CUDA: held in flight
                     _add(out, "gradients", row)
+                for g in getattr(u, "_local_grads", None) or ():  # one rank: no reduction
+                    _add(out, "gradients", g)
                 if u.grads_ready or accumulating:  # full gradients exist only in backward
                     for p in u.full_params:
                         _add(out, "gradients", p.grad)
