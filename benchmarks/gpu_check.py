@@ -21,8 +21,13 @@ In one run, sized to finish in well under 5 minutes on an H200:
 5. Per-unit overhead with NCCL: ``shardwise bench --overhead``'s model (32, 128 and 512 blocks of
    ``Linear(32, 32)`` + ``LayerNorm``) in the plain module, DDP, FSDP2 and shardwise at N=1 (and
    N=2 with two GPUs): step time and host µs per unit per phase (docs/benchmarks.md).
+6. DiLoCo's codecs on the device (``ft.diloco(comm="int8" | "topk")``, issue 41): a
+   pseudo-gradient of 4M values encoded on the device and on the CPU; each message must have
+   the codec's size and decode to the same values on either device (decoding is exact
+   arithmetic), and the device's encoding must drop what the CPU's drops (relative
+   difference of the decoded values <= 1e-3: top-k's means sum in another order).
 Prints one table, writes gpu_check.json and gpu_check.md to the directory given, and exits
-non-zero when a parity check fails.
+non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -198,6 +203,43 @@ def offload(args, device: torch.device, batches) -> dict:
     return {"runs": out, "loss_rel": rel, "ok": rel <= 2e-2}
 
 
+def diloco_codecs(device: torch.device, numel: int = 1 << 22) -> list[dict]:
+    """Each DiLoCo codec's message for the same pseudo-gradient, encoded on ``device`` and on
+    the CPU: its size, decoding across devices, and the device's encoding against the CPU's."""
+    from shardwise.core.codecs import Codec
+    from shardwise.ft.topk import TopK2Bit
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * torch.rand(numel).pow(4)
+    rows = []
+    for codec in (Codec("int8"), TopK2Bit()):
+        on_device = codec.encode(x.to(device))
+        _sync(device)
+        t0 = time.perf_counter()
+        on_device = codec.encode(x.to(device))
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        on_cpu = codec.encode(x)
+        decoded = codec.decode(on_device, numel)
+        across = (decoded.cpu() - codec.decode(on_device.cpu(), numel)).abs().max().item()
+        reference = codec.decode(on_cpu, numel)
+        rel = ((decoded.cpu() - reference).norm() / reference.norm()).item()
+        dropped = ((x - decoded.cpu()).norm() / x.norm()).item()
+        size_ok = on_device.numel() == codec.nbytes(numel) and on_device.device.type == device.type
+        rows.append({
+            "run": f"DiLoCo {codec.name} codec ({numel:,} values)", "blocks": "-", "precision": "fp32",
+            "median_ms": 1e3 * seconds, "p25_ms": 1e3 * seconds, "p75_ms": 1e3 * seconds,
+            "check": f"{on_device.numel():,} bytes, decoded across devices {across:.1e} (0), against the "
+                     f"CPU's encoding {rel:.1e} (<= 1e-3), dropped {dropped:.3f} of the norm",
+            "ok": size_ok and across == 0 and rel <= 1e-3,
+        })
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def flops_per_token(model_cfg, num_params: int) -> float:
     """Training FLOPs per token: 6 per weight (forward and backward) plus attention's
     12 x layers x width x sequence (PaLM's estimate, as nanoGPT's MFU); the position table is
@@ -265,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             "check": f"losses {off['loss_rel']:.1e} from no offload (<= 2e-2)" if flag else "offload baseline",
             "ok": off["ok"] if flag else True,
         })
+    rows += diloco_codecs(device)
     for p in parity1 + parity2:
         if p is None:
             rows.append({"run": "parity N=2", "check": "skipped: one GPU", "ok": True})
@@ -292,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "gpu_check.md").write_text(md + "\n")
     if not all(r["ok"] for r in rows):
-        raise SystemExit("gpu_check: a parity check failed: " + "; ".join(r["check"] for r in rows if not r["ok"]))
+        raise SystemExit("gpu_check: a check failed: " + "; ".join(r["check"] for r in rows if not r["ok"]))
 
 
 def _q(xs: list[float], q: float) -> float:
