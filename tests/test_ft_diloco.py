@@ -384,6 +384,16 @@ def test_an_outer_state_saved_without_global_parameters_takes_the_parameters():
     assert torch.equal(d._globals(d.params)[0], torch.arange(3.0))
 
 
+@pytest.mark.parametrize("comm, momentum", [(None, 0.9), ("int8", 0.9), ("topk", 0.8)])
+def test_the_default_outer_optimizer_takes_top_k_messages_recipe(comm, momentum):
+    """Without ``outer_optimizer``, ``ft.diloco`` steps Nesterov SGD at lr 0.7, with momentum
+    0.8 under top-k messages (docs/fault_tolerance.md, "Top-k's recipe") and 0.9 otherwise."""
+    from shardwise.ft.diloco import nesterov
+
+    group = nesterov(comm)([torch.zeros(2, requires_grad=True)]).param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, momentum, True)
+
+
 def test_topk_message_keeps_the_largest_of_the_message_with_sign_and_two_magnitudes_a_chunk():
     from shardwise.ft.topk import CHUNK, K, TopK2Bit
 

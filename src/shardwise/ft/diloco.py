@@ -200,9 +200,13 @@ class Done:
         return True
 
 
-def nesterov(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (Douillard et al., 2023)."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+def nesterov(comm: str | None) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer for messages ``comm``: Nesterov SGD, lr 0.7, momentum 0.9
+    (Douillard et al., 2023); 0.8 with top-k's, whose error feedback sends what a message
+    drops rounds late, which 0.9's longer memory piles up (docs/fault_tolerance.md, "Top-k's
+    recipe")."""
+    momentum = 0.8 if comm == "topk" else 0.9
+    return lambda params: torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=True)
 
 
 def outer_optimizer_of(make: Callable, params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -140,7 +140,7 @@ class Torchft(Steps):
         optimizer: torch.optim.Optimizer,
         *,
         sync_every: int,
-        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = nesterov,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         fragments: int = 1,
         fragment_sync_delay: int = 0,
         comm: str | None = None,
@@ -148,7 +148,8 @@ class Torchft(Steps):
         """Train with DiLoCo across the groups (ft/diloco.py): ``optimizer`` (the inner one,
         over the sharded model's parameters) steps ``sync_every`` times with no traffic across
         groups, then the groups average their pseudo-gradients and ``outer_optimizer(params)``
-        (default Nesterov SGD, lr 0.7, momentum 0.9) steps the global parameters. ``ft.step``
+        (default Nesterov SGD, lr 0.7, momentum 0.9; 0.8 with top-k messages) steps the
+        global parameters. ``ft.step``
         counts inner steps. Call once, after ``shard(..., fault_tolerance=self)``, instead of
         ``optimizer()``. ``comm``: the pseudo-gradients in fp32 (None), shardwise's int8 or
         SparseLoCo's top-k with 2-bit values ("topk"), both with error feedback.
@@ -163,7 +164,7 @@ class Torchft(Steps):
         codec_of(comm)  # (checked before anything is built)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         fragments_of(len(params), sync_every, fragments, fragment_sync_delay)
-        outer = outer_optimizer_of(outer_optimizer, params)
+        outer = outer_optimizer_of(outer_optimizer or nesterov(comm), params)
         self._optimizers = [optimizer, outer]
         self._diloco = DiLoCo(self, optimizer, sync_every, outer, comm, fragments, fragment_sync_delay)
         return self._diloco
