@@ -21,9 +21,11 @@ its first layer's input gradient and the gradient of the block's own input (FSDP
 shardwise's identity functions on the inputs), optimizer ``step()`` + ``zero_grad()``. The
 hooks cost the same in the plain module, so every figure is the system's minus the plain
 module's, divided by the number of units. "step" is the whole step's, timed in a step of its
-own with the clock off (the hook on the input's function is a cost the plain module and DDP
-would not share). Figures are rank 0's, medians over the timed steps. Results: a table on stdout, ``overhead.json``, ``overhead.md``
-and ``overhead.png`` (step time against units; matplotlib, from the tools extra) in ``--out``.
+own with the clock off: the clock's tensor hooks do not cost every system alike (one goes on
+the function FSDP2 and shardwise put on a unit's input, which the others lack). Figures are
+rank 0's, medians over the timed steps. Results: a table on stdout, ``overhead.json``,
+``overhead.md`` and ``overhead.png`` (step time against units; matplotlib, from the tools
+extra) in ``--out``.
 """
 
 from __future__ import annotations
@@ -176,9 +178,8 @@ def compare(cfg: OverheadConfig, units: int, device: torch.device, mesh) -> dict
     """Build every system of ``units`` blocks, warm each up, then take their timed steps in
     turn (a step of each, then the next): on a shared machine, a disturbance falls on all of
     them alike. Each timed step is taken twice, clock off for the step's time and clock on for
-    its phases: the clock's hooks on a system's input function would otherwise weigh on the
-    steps of the systems that make one (FSDP2, shardwise) and not on the others'. Each
-    system's medians (seconds)."""
+    its phases (the clock's hooks do not cost every system alike). Each system's medians
+    (seconds)."""
     built = {s: build(s, cfg, units, device, mesh) for s in SYSTEMS}
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
