@@ -7,7 +7,10 @@ One process (a Gloo group of one), the overhead benchmark's ``Block`` wrapped as
 line is the mean of a tight loop of ``--calls`` calls on that unit, in µs: its gather and
 reshard, their parts (allocating and freeing the compute copy, the casting copy, the flight
 record of a gather over a group of one), the view and node hook that mark the end of a unit's
-backward, and one gradient's cast to the reduction dtype.
+backward, and one gradient's cast to the reduction dtype. The last two lines price the way
+around the casts that docs/benchmarks.md weighs (seventh session): each of the unit's
+parameters cast inside the autograd graph (so that autograd casts the gradients back), and
+those casts' storage freed after forward and refilled for backward, as full_shard would need.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def main() -> None:
         "view and node hook (end of backward)": mark_end,
         "one gradient's cast": lambda: grad.to(unit.reduce_dtype),
     }
+    params = unit.shard_params
+    casts = [p.detach().to(unit.compute_dtype) for p in params]
+
+    def free_and_refill():
+        for c, p in zip(casts, params):
+            c.untyped_storage().resize_(0)
+            c.untyped_storage().resize_(c.numel() * c.element_size())
+            c.copy_(p.detach())
+
+    costs["the parameters cast in the graph"] = lambda: [p.to(unit.compute_dtype) for p in params]
+    costs["those casts freed and refilled"] = free_and_refill
     for name, fn in costs.items():
         print(f"{name:40s} {timeit.timeit(fn, number=args.calls) / args.calls * 1e6:6.2f} µs")
     unit._allocate_full()  # (the copy needs the compute copy's storage)

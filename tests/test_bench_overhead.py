@@ -61,12 +61,17 @@ def _run(blocks) -> None:
     y.sum().backward()
 
 
-def test_phase_clock_charges_each_phase_its_hooks():
+def _clocked_slow_system() -> tuple[list[nn.Module], overhead.PhaseClock]:
+    """Three blocks under ``_slow_system``'s hooks, with a phase clock on the same fake time."""
     clock = Clock()
     blocks = [overhead.Block(8) for _ in range(3)]
     for b in blocks:
         _slow_system(b, clock)
-    phases = overhead.PhaseClock(blocks, clock)
+    return blocks, overhead.PhaseClock(blocks, clock)
+
+
+def test_phase_clock_charges_each_phase_its_hooks():
+    blocks, phases = _clocked_slow_system()
     _run(blocks)
     # each block's hook is charged to its own phase, and nothing of another phase's
     assert phases.seconds == {
@@ -83,20 +88,13 @@ def test_phase_clock_charges_nothing_to_a_plain_module():
     assert phases.seconds["post_backward"] == 0.0  # no function on the inputs: never started
 
 
-def test_phase_clock_off_neither_charges_nor_hooks_tensors():
-    clock = Clock()
-    blocks = [overhead.Block(8) for _ in range(3)]
-    for b in blocks:
-        _slow_system(b, clock)
-    phases = overhead.PhaseClock(blocks, clock)
+def test_phase_clock_off_neither_charges_nor_hooks_tensors(monkeypatch):
+    blocks, phases = _clocked_slow_system()
     phases.enabled = False  # the step's own time: no hook on any tensor or node
     registered = []
     real = torch.Tensor.register_hook
-    torch.Tensor.register_hook = lambda t, h: registered.append(h) or real(t, h)
-    try:
-        _run(blocks)
-    finally:
-        torch.Tensor.register_hook = real
+    monkeypatch.setattr(torch.Tensor, "register_hook", lambda t, h: registered.append(h) or real(t, h))
+    _run(blocks)
     assert all(s == 0.0 for s in phases.seconds.values()), phases.seconds
     assert not [h for h in registered if getattr(h, "__self__", None) is phases]
 

@@ -150,8 +150,9 @@ class Torchft(Steps):
         groups, then the groups average their pseudo-gradients and ``outer_optimizer(params)``
         (default Nesterov SGD, lr 0.7, momentum 0.9; 0.8 with top-k messages) steps the
         global parameters. ``ft.step`` counts inner steps. Call once, after ``shard(...,
-        fault_tolerance=self)``, instead of ``optimizer()``. ``comm``: the pseudo-gradients in fp32 (None), shardwise's int8 or
-        SparseLoCo's top-k with 2-bit values ("topk"), both with error feedback.
+        fault_tolerance=self)``, instead of ``optimizer()``. ``comm``: the pseudo-gradients
+        in fp32 (None), shardwise's int8 or SparseLoCo's top-k with 2-bit values ("topk"),
+        both with error feedback.
         ``fragments`` > 1: streaming DiLoCo, one of that many parts of the parameters synced
         every ``sync_every / fragments`` steps in turn, each ``fragment_sync_delay`` inner
         steps after its all-reduce was issued (ft/diloco.py's Note [streaming DiLoCo])."""
