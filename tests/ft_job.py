@@ -11,7 +11,10 @@ The job is given as JSON: ``group`` (its index: job ``g`` reads its own batches)
 step from ``step`` on that both groups take part in, on the job's first run only. A job saves
 its state and stops (goes on, with ``forever``) at the first committed step from ``steps`` on
 that follows ``tail`` steps both groups took part in: the same step on both (they see the
-same quorums), and only once a killed group is back.
+same quorums), and only once a killed group is back. Also ``min_replicas``, fp16's
+``init_scale``, ``slow_send`` (seconds each snapshot a heal fetches is served late) and
+``poison`` (a rank whose all-reduce across groups failed makes a gradient infinite, as the
+failure may leave it).
 """
 
 import json
@@ -26,10 +29,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plain_groups import build, forward_backward, options_of, rank_state, residuals
+from plain_groups import build, forward_backward, options_of, rank_state, residuals, scaler_of
 
 import shardwise
 import shardwise.ft
+from shardwise.ft.transport import Transport
 
 
 def main(cfg: dict) -> None:
@@ -46,10 +50,12 @@ def train(cfg: dict) -> None:
     first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     ft = shardwise.ft.Torchft(
         lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}", timeout=cfg.get("timeout", 20),
-        quorum_timeout=cfg.get("quorum_timeout", 30),
+        quorum_timeout=cfg.get("quorum_timeout", 30), min_replicas=cfg.get("min_replicas", 1),
     )
+    if cfg.get("slow_send"):
+        serve_late(cfg["slow_send"])
     model, inner = build(ft, **options_of(cfg))
-    scaler = shardwise.GradScaler(model) if cfg.get("mixed_precision") == "fp16" else None
+    scaler = scaler_of(model, cfg)
     opt = ft.optimizer(inner)
     out = Path(cfg["out"])
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -64,6 +70,8 @@ def train(cfg: dict) -> None:
         if first_run and kill and step >= kill[0] and rank == kill[1] and ft.participants == 2:
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", step, cfg["group"], rank, world, scale=scaler)
+        if cfg.get("poison") and ft.leads and ft.errored():  # what a failed all-reduce may leave
+            next(p.grad for p in model.parameters() if p.grad is not None).fill_(float("inf"))
         if scaler:
             scaler.step(opt)  # steps opt unless a gradient is not finite; opt steps if it commits
             scaler.update()
@@ -79,6 +87,17 @@ def train(cfg: dict) -> None:
         time.sleep(cfg.get("pause", 0.0))
     ft.shutdown()
     dist.destroy_process_group()
+
+
+def serve_late(seconds: float) -> None:
+    """Serve each quorum's snapshot ``seconds`` late, so that a healing rank asks first."""
+    send = Transport.send_checkpoint
+
+    def late(self, *args, **kwargs):
+        time.sleep(seconds)
+        return send(self, *args, **kwargs)
+
+    Transport.send_checkpoint = late
 
 
 def save(path: Path, model, inner, scaler, ft) -> None:

@@ -84,6 +84,13 @@ def build(outer, *, group=None, kind: str = "tied", strategy: str = "full_shard"
     return model, opt
 
 
+def scaler_of(model, cfg: dict):
+    """fp16's loss scaler for a job's JSON ``cfg`` (from its ``init_scale``, if given), else None."""
+    if cfg.get("mixed_precision") != "fp16":
+        return None
+    return shardwise.GradScaler(model, init_scale=cfg.get("init_scale", 2.0**16))
+
+
 def group_batch(kind: str, step: int, job: int, per_rank: int, group_size: int):
     """Job ``job``'s batch of committed step ``step`` (each job reads its own data)."""
     return batch(kind, 1000 * job + step, per_rank * group_size)
@@ -120,7 +127,7 @@ def replay(record: list[list[int]], steps: int, cfg: dict, healed: dict[int, lis
     job_group, peers, job = jobs_in_pool()
     outer = PlainGroups(peers, job, groups=2)
     model, opt = build(outer, group=job_group, kind=kind, **options_of(cfg))
-    scaler = shardwise.GradScaler(model) if cfg.get("mixed_precision") == "fp16" else None
+    scaler = scaler_of(model, cfg)
     rank = dist.get_rank(job_group)
     step = 0
     while step < steps:

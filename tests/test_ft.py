@@ -161,16 +161,21 @@ def model_state(saved: dict) -> dict:
 KILLED = json.loads(os.environ.get("FT_VARIANT", "null")) or {"mixed_precision": "fp16", "comm": "int8", "error_feedback": True, "owned": True}
 
 
-def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, lighthouse, pools):
+@pytest.mark.parametrize("failure_left", ["finite gradients", "a gradient not finite"])
+def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, lighthouse, pools, failure_left):
     # fp16 with its loss scale, int8 with error feedback residuals and owned matrices: every
-    # kind of state a rank holds is rolled back after the failed step and healed
+    # kind of state a rank holds is rolled back after the failed step and healed. Where the
+    # failed all-reduce across groups leaves a gradient not finite, the scaler skips the step
+    # before the vote, and it must be undone all the same (Note [a step the groups did not
+    # vote on] in shardwise/ft/steps.py)
+    cfg = {**KILLED, "poison": failure_left == "a gradient not finite"}
     jobs.lighthouse = lighthouse
     # group 1 starts first: about one run in two, its first step fails alone (fp16's first
     # scale overflows) and group 0 then joins the first quorum, where torchft's init_sync heals
     # rank 0 and rank 1 of the groups from different primaries (Note [the first quorum heals
-    # rank by rank] in shardwise/ft/replicas.py); the other runs have group 0 train alone first
-    b = jobs.start(1, steps=10, pause=0.2, kill=[4, 1], **KILLED)  # rank 1 of group 1 dies mid-backward
-    a = jobs.start(0, steps=10, pause=0.2, **KILLED)
+    # rank by rank] in shardwise/ft/steps.py); the other runs have group 0 train alone first
+    b = jobs.start(1, steps=10, pause=0.2, kill=[4, 1], **cfg)  # rank 1 of group 1 dies mid-backward
+    a = jobs.start(0, steps=10, pause=0.2, **cfg)
     assert [jobs.wait(a, 240), jobs.wait(b, 240)] == [0, 0], jobs.logs()
     out = jobs.out
     runs = {**records(out, 0), **records(out, 1)}
@@ -183,11 +188,37 @@ def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, l
     assert alone, f"group 0 never trained alone: {record}"
     healed_at = runs["g1-r0-run1"][0][0]
     assert healed_at > alone[-1] and record[healed_at] == [0, 1]
+    for rank in (0, 1):
+        twin = final(out, 1, rank)
+        assert twin["heal"][0] == healed_at and twin["heal"][1] > 0  # its shards, from memory
+    equal_to_the_replay(out, runs, record, steps, cfg, pools)
+
+
+def test_a_heal_in_a_step_taken_again_takes_that_attempts_state(jobs, lighthouse, pools):
+    # fp16 from a scale that overflows at step 0 again and again, both groups in every quorum:
+    # each attempt's quorum heals rank by rank (Note [the first quorum heals rank by rank]),
+    # and each snapshot is served late, so that a healing rank that could fetch the skipped
+    # attempt's snapshot would, and take its loss scale (Note [a step the groups did not vote
+    # on]): the groups would then average gradients of two scales
+    cfg = {**KILLED, "init_scale": 2.0**24, "min_replicas": 2, "slow_send": 0.5}
+    jobs.lighthouse = lighthouse
+    procs = [jobs.start(g, steps=3, **cfg) for g in (1, 0)]
+    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+    out = jobs.out
+    runs = {**records(out, 0), **records(out, 1)}
+    skipped = [r for r in runs["g0-r0-run0"] if not r[2]]
+    assert len(skipped) >= 3 and all(r[0] == 0 and r[1] == 2 for r in skipped), runs["g0-r0-run0"]
+    steps = max(step for step, _, done, _ in runs["g0-r0-run0"] if done) + 1
+    equal_to_the_replay(out, runs, participation(out, steps), steps, cfg, pools)
+
+
+def equal_to_the_replay(out: Path, runs: dict, record: list, steps: int, cfg: dict, pools) -> None:
+    """Both groups end with one loss scale and one model and optimizer state, and each rank
+    equal, bitwise, to the replay of the participation ``record`` in the pool of 4."""
     joined = {g: sorted({rec[0][0] for name, rec in runs.items() if name.startswith(f"g{g}-")}) for g in (0, 1)}
-    references = pools(4).run(replay, record, steps, KILLED, joined)
+    references = pools(4).run(replay, record, steps, cfg, joined)
     for rank in (0, 1):
         mine, twin = final(out, 0, rank), final(out, 1, rank)
-        assert twin["heal"][0] == healed_at and twin["heal"][1] > 0  # its shards, from memory
         assert mine["scale"] == twin["scale"]
         # the model and optimizer state: one for every group (residuals are each group's own)
         differ = [n for n, v in model_state(mine).items() if not torch.equal(v, twin["state"][n])]
@@ -195,7 +226,7 @@ def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, l
         for group, got in ((0, mine), (1, twin)):
             ref = references[2 * group + rank]  # pool rank 2g + r is rank r of group g
             assert got["state"].keys() == ref.keys()
-            assert any(k.startswith("residual.") for k in ref) == bool(KILLED.get("error_feedback"))
+            assert any(k.startswith("residual.") for k in ref) == bool(cfg.get("error_feedback"))
             differ = [n for n, v in got["state"].items() if not torch.equal(v, ref[n])]
             assert not differ, f"group {group} rank {rank}: differs from the replayed record in {differ}"
 

@@ -107,7 +107,8 @@ class Steps(Across):
         if not self._optimizers:
             raise ShardwiseError("wrap the optimizer first: opt = ft.optimizer(torch.optim.AdamW(...))")
         scaler = self._runtime.grad_scaler
-        if self._phase is Phase.FAILED:
+        unvoted = self._phase is Phase.OPEN  # (Note [a step the groups did not vote on])
+        if self._phase is Phase.FAILED or (unvoted and self._errored_in_job()):
             heal.restore_transient(self._runtime, scaler, self._kept)
         if self._holding is None:
             slots = param_slots(self._runtime)
@@ -133,6 +134,7 @@ class Steps(Across):
             if self._diloco is not None:
                 self._snapshot = self._diloco.snapshot(self._snapshot)
             self._transport.failed = None
+            self._transport.disallow_checkpoint()  # (Note [a step the groups did not vote on])
             join(self._manager, self.lighthouse, self.replica_id)
             if self._transport.failed is not None:
                 raise CannotHeal(
@@ -144,6 +146,17 @@ class Steps(Across):
             return Joined(None, error=e)
         m = self._manager
         return Joined(Quorum(m.num_participants(), m.state_dict(), weight), self.last_heal is not healed)
+
+    def _errored_in_job(self) -> bool:
+        """Whether an all-reduce across groups failed on any rank of this job in the step now
+        ending (collective over the job, so that its ranks undo the step together)."""
+        mine = self.leads and self.errored()
+        host = groups.host_group(None)
+        if host is None:
+            return mine
+        flag = torch.tensor([float(mine)])
+        C.all_reduce(flag, host, "torchft errored", op=dist.ReduceOp.MAX).wait()
+        return bool(flag.item())
 
     def _check_layout(self) -> float:
         if self._fingerprint is None:
@@ -200,6 +213,19 @@ class Steps(Across):
         if self._diloco is not None:
             self._diloco.took()
 
+
+# Note [a step the groups did not vote on]: a step that the loss scaler skips (a gradient not
+# finite) never reaches the vote, as opt.step() is not called, and two things then go wrong
+# unless the next step's start makes up for them. (1) torchft withdraws what its checkpoint
+# transport serves only at the vote, so a rank healing in the next quorum, at the same step,
+# could fetch the skipped attempt's snapshot before this rank serves the new one: seen in the
+# first quorums, where rank 0 of a group took a loss scale one halving old and the groups then
+# averaged gradients of two scales, silently. So a rank that runs a manager withdraws it
+# before every quorum; torchft's send serves the new snapshot. (2) A gradient that is not
+# finite can be what a failed all-reduce across groups left (torchft: the tensor may be
+# corrupted); that step failed, yet the scaler halved the scale and cleared the residuals of
+# this group alone. So if any rank of the job saw a failure in such a step, the job undoes it
+# as it undoes a step the vote failed.
 
 # Note [the first quorum heals rank by rank]: in the first quorum (no step committed yet)
 # torchft's init_sync syncs the groups from a primary that it picks for each rank, not for each
