@@ -6,7 +6,10 @@ one per group, on a lighthouse in this process (tests/ft_job.py is one rank).
   committed step is repeated or skipped, both groups end bitwise equal, and equal, bitwise, to
   a replay of the same participation record without any failure (plain_groups.replay, in the
   pool of 4 ranks standing for the two jobs).
-  The state includes fp16's loss scale, int8's error feedback residuals and owned matrices.
+  The state includes fp16's loss scale, int8's error feedback residuals and owned matrices;
+  also where the failure leaves a gradient not finite, so that the scaler skips the step
+  before the vote. Heals in a first step that overflows again and again take that attempt's
+  snapshot, served late, and end equal to the replay too.
 - Jobs of different sizes (1 rank and 2, hybrid sharding within a "node" of one rank): the
   larger joins late and heals (its second replica through its first); both end bitwise equal and like one process trained on the
   batches of every rank taking part; a job of other shards cannot heal (CannotHeal) while the
