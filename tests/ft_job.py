@@ -11,8 +11,7 @@ The job is given as JSON: ``group`` (its index: job ``g`` reads its own batches)
 step from ``step`` on that both groups take part in, on the job's first run only. A job saves
 its state and stops (goes on, with ``forever``) at the first committed step from ``steps`` on
 that follows ``tail`` steps both groups took part in: the same step on both (they see the
-same quorums), and only once a killed group is back. Also ``min_replicas``, fp16's
-``init_scale``, ``slow_send`` (seconds each snapshot a heal fetches is served late) and
+same quorums), and only once a killed group is back. Also fp16's ``init_scale``, ``slow_send`` (seconds each snapshot a heal fetches is served late) and
 ``poison`` (a rank whose all-reduce across groups failed makes a gradient infinite, as the
 failure may leave it).
 """
@@ -50,7 +49,7 @@ def train(cfg: dict) -> None:
     first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     ft = shardwise.ft.Torchft(
         lighthouse=os.environ["TORCHFT_LIGHTHOUSE"], replica_id=f"g{cfg['group']}", timeout=cfg.get("timeout", 20),
-        quorum_timeout=cfg.get("quorum_timeout", 30), min_replicas=cfg.get("min_replicas", 1),
+        quorum_timeout=cfg.get("quorum_timeout", 30),
     )
     if cfg.get("slow_send"):
         serve_late(cfg["slow_send"])

@@ -50,15 +50,24 @@ from shardwise.core.addresses import free_port
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture
-def lighthouse():
-    """torchft's lighthouse in this process, on a free port: its address for the jobs."""
+@contextlib.contextmanager
+def serving(min_replicas: int = 1):
+    """torchft's lighthouse in this process, on a free port, whose quorums need
+    ``min_replicas`` groups: its address for the jobs."""
     from shardwise.ft.lighthouse import serve
 
-    server = serve(port=0, bind="127.0.0.1")
+    server = serve(port=0, bind="127.0.0.1", min_replicas=min_replicas)
     port = re.search(r":(\d+)$", server.address()).group(1)
-    yield f"http://127.0.0.1:{port}"
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def lighthouse():
+    with serving() as address:
+        yield address
 
 
 @pytest.fixture
@@ -197,16 +206,16 @@ def test_a_lost_group_heals_and_training_equals_its_participation_record(jobs, l
     equal_to_the_replay(out, runs, record, steps, cfg, pools)
 
 
-def test_a_heal_in_a_step_taken_again_takes_that_attempts_state(jobs, lighthouse, pools):
-    # fp16 from a scale that overflows at step 0 again and again, both groups in every quorum:
-    # each attempt's quorum heals rank by rank (Note [the first quorum heals rank by rank]),
-    # and each snapshot is served late, so that a healing rank that could fetch the skipped
-    # attempt's snapshot would, and take its loss scale (Note [a step the groups did not vote
-    # on]): the groups would then average gradients of two scales
-    cfg = {**KILLED, "init_scale": 2.0**24, "min_replicas": 2, "slow_send": 0.5}
-    jobs.lighthouse = lighthouse
-    procs = [jobs.start(g, steps=3, **cfg) for g in (1, 0)]
-    assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
+def test_a_heal_in_a_step_taken_again_takes_that_attempts_state(jobs, pools):
+    # fp16 from a scale that overflows at step 0 again and again, both groups in every quorum
+    # (the lighthouse's): each attempt's quorum heals rank by rank (Note [the first quorum
+    # heals rank by rank]), and each snapshot is served late, so that a healing rank that could
+    # fetch the skipped attempt's snapshot would, and take its loss scale (Note [a step the
+    # groups did not vote on]): the groups would then average gradients of two scales
+    cfg = {**KILLED, "init_scale": 2.0**24, "slow_send": 0.5}
+    with serving(min_replicas=2) as jobs.lighthouse:
+        procs = [jobs.start(g, steps=3, **cfg) for g in (1, 0)]
+        assert [jobs.wait(p, 240) for p in procs] == [0, 0], jobs.logs()
     out = jobs.out
     runs = {**records(out, 0), **records(out, 1)}
     skipped = [r for r in runs["g0-r0-run0"] if not r[2]]
