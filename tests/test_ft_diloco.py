@@ -529,7 +529,11 @@ def main(cfg: dict) -> None:
             rounds.append((ft.step, ft.participants, True))
             # (where no group contributed, or this group healed and sat the sync out: the global ones)
             fresh = all(torch.equal(p, opt.outer.state[p]["global"]) for p in opt.params)
-        if kill and first_run and ft.step == kill[0] and rank == kill[1]:  # (mid-round, mid-backward)
+        # (mid-round, mid-backward; without a meeting point, beside the other group: a group that
+        # started late and healed past kill[0] dies at the same step of a later round)
+        due = kill and (ft.step == kill[0] if "meet_at" in cfg else
+                        ft.step >= kill[0] and ft.step % h == kill[0] % h and ft.participants == 2)
+        if kill and first_run and due and rank == kill[1]:
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world, scale=scaler)
         if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
