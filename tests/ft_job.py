@@ -11,9 +11,9 @@ The job is given as JSON: ``group`` (its index: job ``g`` reads its own batches)
 step from ``step`` on that both groups take part in, on the job's first run only. A job saves
 its state and stops (goes on, with ``forever``) at the first committed step from ``steps`` on
 that follows ``tail`` steps both groups took part in: the same step on both (they see the
-same quorums), and only once a killed group is back. Also fp16's ``init_scale``, ``slow_send`` (seconds each snapshot a heal fetches is served late) and
-``poison`` (a rank whose all-reduce across groups failed makes a gradient infinite, as the
-failure may leave it).
+same quorums), and only once a killed group is back. Also fp16's ``init_scale``,
+``slow_send`` (seconds each snapshot a heal fetches is served late) and ``poison`` (a rank
+whose all-reduce across groups failed makes a gradient infinite, as the failure may leave it).
 """
 
 import json

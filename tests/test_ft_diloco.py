@@ -533,7 +533,7 @@ def main(cfg: dict) -> None:
         # started late and healed past kill[0] dies at the same step of a later round)
         due = kill and (ft.step == kill[0] if "meet_at" in cfg else
                         ft.step >= kill[0] and ft.step % h == kill[0] % h and ft.participants == 2)
-        if kill and first_run and due and rank == kill[1]:
+        if first_run and due and rank == kill[1]:
             model.blocks[1].register_full_backward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         forward_backward(model, "tied", ft.step, cfg["group"], rank, world, scale=scaler)
         if scaler is not None:  # (a step it skips for inf/NaN is taken again: ft.step stays)
